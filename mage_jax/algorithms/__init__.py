@@ -1,0 +1,1 @@
+"""mage_jax.algorithms."""

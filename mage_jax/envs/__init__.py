@@ -1,0 +1,26 @@
+"""Text environments (plain Python, no JAX): the protocol, the registry and the built-in tasks.
+
+Importing this package registers every built-in environment whose dependencies are installed.
+"""
+
+from mage_jax.envs.base import (
+    PromptSpec,
+    StepInfo,
+    StepResult,
+    TextEnv,
+    make_env,
+    register_env,
+    registered_envs,
+)
+
+__all__ = [
+    "PromptSpec",
+    "StepInfo",
+    "StepResult",
+    "TextEnv",
+    "make_env",
+    "register_env",
+    "registered_envs",
+]
+
+# Built-in environments register themselves on import (added as they land).

@@ -1,0 +1,1 @@
+"""mage_jax.models."""
