@@ -1,0 +1,201 @@
+"""Specification of mage_jax.tokenizer: HF chat templates (one user message, thinking switch) and the
+built-in word-level tokenizer (tags as single tokens, action strings round-trip)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mage_jax.envs.parsing import extract_action
+from mage_jax.tokenizer import Tokenizer, TokenizerError, join_word_pieces
+
+# A Qwen3-style template written for these tests: one message list, generation prompt, and an empty
+# think block when thinking is switched off (the format Qwen3 uses).
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+
+CORPUS = [
+    "You are playing Kuhn Poker. Your card is K. Legal actions: PASS, BET.",
+    "Think step by step, then answer inside <action>...</action>. <action>PASS</action> <action>BET</action>",
+    "Board: X at (0, 0), O at (1, 1). Place a mark: <action>(1, 2)</action>",
+    "<remark>I should bet with a king.</remark> search[red shoes] click[buy now]",
+]
+
+
+def build_hf_folder(path, *, with_generation_config: bool = True):
+    """A tiny byte-level BPE tokenizer with Qwen-style special tokens, saved as a local HF folder."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    raw.train_from_iterator(CORPUS * 4, trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=QWEN3_STYLE_TEMPLATE,
+    )
+    hf.add_tokens(["<think>", "</think>"])  # ordinary added tokens, as in Qwen3: kept when decoding
+    hf.save_pretrained(str(path))
+    if with_generation_config:
+        eos = [hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")]
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_tok")
+    build_hf_folder(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ HF path
+def test_hf_prompt_is_one_user_message_with_generation_prompt_and_thinking_on(hf_dir):
+    tok = Tokenizer.from_hf_dir(hf_dir, enable_thinking=True)
+    text = "Your card is K."
+    assert tok.render_prompt(text) == f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    [ids] = tok.encode_prompts([text])
+    assert tok.decode(ids, skip_special_tokens=False) == tok.render_prompt(text)
+    assert ids[0] == tok.token_to_id("<|im_start|>")
+    assert "system" not in tok.decode(ids, skip_special_tokens=False)
+
+
+def test_hf_thinking_off_appends_an_empty_think_block(hf_dir):
+    tok = Tokenizer.from_hf_dir(hf_dir, enable_thinking=False)
+    assert tok.render_prompt("hi").endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    [ids] = tok.encode_prompts(["hi"])
+    assert tok.token_to_id("<think>") in ids and tok.token_to_id("</think>") in ids
+
+
+def test_hf_stop_ids_cover_eos_im_end_and_generation_config(hf_dir):
+    tok = Tokenizer.from_hf_dir(hf_dir)
+    assert set(tok.eos_ids) == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
+    assert tok.eos_ids[0] == tok.token_to_id("<|im_end|>")
+    assert tok.pad_id == tok.token_to_id("<|endoftext|>")
+    assert tok.vocab_size == len(tok.backend)
+
+
+def test_hf_batch_encode_matches_single_encodes_and_decode_drops_special_tokens(hf_dir):
+    tok = Tokenizer.from_hf_dir(hf_dir)
+    texts = ["Your card is K.", "Board: X at (0, 0)."]
+    assert tok.encode_prompts(texts) == [tok.encode_prompts([t])[0] for t in texts]
+    response = tok.encode("<think>bet</think> <action>BET</action>") + [tok.eos_ids[0]]
+    decoded = tok.decode(response)
+    assert decoded == "<think>bet</think> <action>BET</action>"
+    assert extract_action(decoded) == "BET"
+    assert tok.decode_batch([response, response]) == [decoded, decoded]
+
+
+def test_hf_save_load_keeps_thinking_switch_and_stop_ids(hf_dir, tmp_path):
+    tok = Tokenizer.from_hf_dir(hf_dir, enable_thinking=False)
+    tok.save(tmp_path / "saved")
+    again = Tokenizer.load(tmp_path / "saved")
+    assert again.kind == "hf" and again.enable_thinking is False
+    assert again.eos_ids == tok.eos_ids
+    assert again.encode_prompts(["a b"]) == tok.encode_prompts(["a b"])
+
+
+def test_hf_missing_folder_or_template_is_one_clear_error(tmp_path):
+    with pytest.raises(TokenizerError, match="does not exist"):
+        Tokenizer.from_hf_dir(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenizerError, match="cannot load"):
+        Tokenizer.from_hf_dir(tmp_path / "empty")
+
+
+# ---------------------------------------------------------------------------------------- word level
+@pytest.fixture(scope="module")
+def word_tok():
+    return Tokenizer.word_level(CORPUS)
+
+
+def test_word_level_tags_are_single_tokens(word_tok):
+    ids = word_tok.encode("<action>PASS</action>")
+    assert [word_tok.backend.id_to_token(i) for i in ids] == ["<action>", "PASS", "</action>"]
+
+
+def test_word_level_specials_and_prompt_template_is_bos_plus_words(word_tok):
+    assert [word_tok.token_to_id(t) for t in ("[PAD]", "[UNK]", "[BOS]", "[EOS]")] == [0, 1, 2, 3]
+    assert word_tok.pad_id == 0 and word_tok.eos_ids == (3,) and word_tok.bos_id == 2
+    [ids] = word_tok.encode_prompts(["Your card is K."])
+    assert ids == [2, *word_tok.encode("Your card is K.")]
+    assert word_tok.decode(ids) == "Your card is K."
+
+
+@pytest.mark.parametrize(
+    "action",
+    [
+        "<action>PASS</action>",
+        "<action>(1, 2)</action>",
+        "(1, 2)",
+        "<remark>I should bet with a king.</remark>",
+        "search[red shoes]",
+    ],
+)
+def test_word_level_action_strings_round_trip(word_tok, action):
+    ids = word_tok.encode(action)
+    assert word_tok.token_to_id("[UNK]") not in ids
+    assert word_tok.decode(ids + list(word_tok.eos_ids)) == action
+
+
+def test_word_level_decoded_response_parses_to_the_action(word_tok):
+    response = word_tok.encode("Think step by step, then <action>(1, 2)</action>") + [3, 0, 0]
+    assert extract_action(word_tok.decode(response)) == "(1, 2)"
+
+
+def test_word_level_unknown_words_map_to_unk(word_tok):
+    assert word_tok.encode("zebra") == [word_tok.token_to_id("[UNK]")]
+
+
+def test_word_level_vocab_size_caps_the_vocabulary():
+    tok = Tokenizer.word_level(CORPUS, vocab_size=10)
+    assert tok.vocab_size == 10
+
+
+def test_word_level_save_load_round_trip(word_tok, tmp_path):
+    word_tok.save(tmp_path / "wl")
+    assert (tmp_path / "wl" / "tokenizer.json").exists() and (
+        tmp_path / "wl" / "mage_tokenizer.json"
+    ).exists()
+    again = Tokenizer.load(tmp_path / "wl")
+    assert again.kind == "word_level" and again.vocab_size == word_tok.vocab_size
+    for text in CORPUS:
+        assert again.encode_prompts([text]) == word_tok.encode_prompts([text])
+
+
+def test_word_level_empty_corpus_is_one_clear_error():
+    with pytest.raises(TokenizerError, match="empty"):
+        Tokenizer.word_level([])
+
+
+def test_malformed_meta_file_is_one_clear_error(tmp_path):
+    (tmp_path / "mage_tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="malformed"):
+        Tokenizer.load(tmp_path)
+
+
+def test_join_word_pieces_spacing_rules():
+    assert (
+        join_word_pieces(["Pot", ":", "2", "chips", ".", "Your", "card", "is", "K", "."])
+        == "Pot: 2 chips. Your card is K."
+    )
+    assert join_word_pieces(["line", "\n", "next"]) == "line\nnext"
+    assert join_word_pieces(["trial", "#", "2"]) == "trial #2"
