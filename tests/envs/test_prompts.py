@@ -1,0 +1,126 @@
+"""Play / reflect prompt rendering and memory (spec section 3)."""
+
+import pytest
+
+from mage_jax.envs.base import PromptSpec
+from mage_jax.envs.prompts import (
+    MEMORY_MODES,
+    EpisodeRecord,
+    Move,
+    compact_text,
+    format_reward,
+    render_memory,
+    render_play_prompt,
+    render_reflect_prompt,
+)
+
+SPEC = PromptSpec(
+    preamble="You play a test game.",
+    compact_preamble="test game . act A or B",
+    action_format="A or B",
+    history_window=3,
+)
+
+
+def _moves(n, tag="m"):
+    return tuple(Move(f"go {i + 1}", f"{tag} state {i + 1}", reward=-0.1) for i in range(n))
+
+
+def _record(n=2, reflection="Try B first.", reward=-0.2):
+    return EpisodeRecord(moves=_moves(n, "old"), reward=reward, won=False, reflection=reflection)
+
+
+@pytest.mark.parametrize("style", ["full", "compact"])
+def test_play_prompt_sections_appear_in_spec_order(style):
+    text = render_play_prompt(SPEC, "the start", [_record()], 1, _moves(1), admissible=["go 9"], style=style)
+    if style == "full":
+        order = ["You play a test game.", "the start", "Try B first.", "on trial #2", "go 1", "go 9"]
+    else:
+        order = ["test game . act A or B", "the start", "Try B first .", "trial 2 now", "go 1", "go 9"]
+    order.append("<action>")
+    positions = [text.index(piece) for piece in order]
+    assert positions == sorted(positions)
+
+
+def test_reflection_only_memory_uses_the_spec_sentence():
+    text = render_play_prompt(SPEC, "INITIAL", [_record(reflection="Go left.")], 1, [])
+    assert "On trial #1 the task was NOT successfully completed. Your reflection: Go left." in text
+    assert "Currently on trial #2" in text
+    assert "old state 1" not in text  # reflection_only carries no trajectory
+
+
+@pytest.mark.parametrize("style", ["full", "compact"])
+def test_history_memory_shows_every_action_observation_and_the_outcome(style):
+    record = EpisodeRecord(moves=_moves(5, "old"), reward=-7.5, won=False, reflection="R")
+    text = render_memory([record], memory_mode="history_only", style=style)
+    for i in range(1, 6):
+        assert f"go {i}" in text and f"old state {i}" in text
+    assert "-7.5" in text
+    assert ("fail" if style == "compact" else "NOT successfully completed") in text
+    assert "reflection" not in text.lower()
+
+
+def test_history_and_reflection_memory_has_both():
+    text = render_memory([_record(reflection="Plan X.")], memory_mode="history_and_reflection")
+    assert "old state 2" in text and "Plan X." in text
+
+
+def test_memory_is_empty_text_before_the_first_reflection():
+    for mode in MEMORY_MODES:
+        assert render_memory([], memory_mode=mode) == ""
+
+
+def test_play_prompt_shows_last_window_moves_and_observations_of_the_two_most_recent():
+    text = render_play_prompt(SPEC, "INITIAL", [], 0, _moves(5, "cur"))
+    assert "Turn 1:" not in text and "Turn 2:" not in text  # W = 3
+    assert "Turn 3: action go 3" in text and "cur state 3" not in text
+    assert "cur state 4" in text and "cur state 5" in text
+    assert "your last 3 of 5 turns" in text
+    assert "Observation after it (the current state):\ncur state 5" in text
+
+
+def test_reflect_prompt_shows_all_window_moves_with_observations_and_asks_for_a_remark():
+    record = EpisodeRecord(moves=_moves(4, "ep"), reward=-0.4, won=False, reflection=None)
+    text = render_reflect_prompt(SPEC, "INITIAL", record, 0)
+    assert "ep state 1" not in text  # outside W = 3
+    assert all(f"ep state {i}" in text for i in (2, 3, 4))
+    assert "NOT successfully completed" in text and "<remark>" in text and "mistakes" in text
+
+
+def test_privileged_text_only_when_given():
+    record = _record()
+    assert "King" in render_reflect_prompt(SPEC, "I", record, 0, privileged="Opponent card: King")
+    assert "Revealed" not in render_reflect_prompt(SPEC, "I", record, 0)
+
+
+def test_invalid_moves_render_as_invalid_without_an_action():
+    moves = (Move(action=None, observation="same", reward=0.0, valid=False),)
+    assert "invalid action" in render_play_prompt(SPEC, "I", [], 0, moves)
+    assert "turn 1 : invalid" in render_play_prompt(SPEC, "I", [], 0, moves, style="compact")
+
+
+def test_compact_text_separates_numbers_and_symbols_and_is_idempotent():
+    assert compact_text("0:#_OX√") == "0 : # _ O X √"
+    assert compact_text("(1, 2) reward -0.1 row-1") == "( 1 , 2 ) reward -0.1 row - 1"
+    once = compact_text("Your Card: Queen | Player 0: Pass -> Bet\n\n1 ? 2")
+    assert compact_text(once) == once and "\n" in once
+
+
+def test_compact_prompt_has_no_decorative_sentences():
+    text = render_play_prompt(SPEC, "0:#_OX", [_record()], 1, _moves(2), style="compact")
+    assert "0 : # _ O X" in text
+    assert "Think" not in text and "Currently" not in text
+    assert all(len(token) <= 12 for token in text.split()), text
+
+
+def test_reward_text_is_short_and_stable():
+    assert [format_reward(x) for x in (-0.1, 10.9, 10.0, 0.0, -0.0, -0.30000000000000004)] == [
+        "-0.1", "10.9", "10", "0", "0", "-0.3",
+    ]
+
+
+def test_unknown_memory_mode_or_style_is_one_clear_error():
+    with pytest.raises(ValueError, match="memory_mode"):
+        render_play_prompt(SPEC, "I", [], 0, [], memory_mode="everything")
+    with pytest.raises(ValueError, match="style"):
+        render_reflect_prompt(SPEC, "I", _record(), 0, style="tiny")
