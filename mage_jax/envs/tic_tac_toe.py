@@ -1,0 +1,265 @@
+"""Tic-Tac-Toe (spec section 7.2): the agent is always X, also when the opponent (O) moves first.
+
+Cells are numbered as OpenSpiel numbers them, ``row * 3 + col`` (0-based); a game is the list of
+cells played, starting with whoever moves first (seat 0: the agent, seat 1: the opponent). The
+action is ``<action>(row, col)</action>`` with 1-based coordinates; the first ``(int, int)`` pair
+inside the tags counts. Reward +10 for a win, -10 for a loss, 0 for a draw, at the final step;
+``info.score`` is reward / 10. Every agent turn counts, invalid ones included; after
+``max_turns`` (8) turns an unfinished game ends with reward 0 (``info.extra["timeout"]``).
+
+The seed of a task instance fixes the randomness of a stochastic opponent (MCTS, random). The
+opponent's opening move, when it moves first, is part of the task instance: ``restart`` restores
+it. Later moves of a stochastic opponent keep drawing from its generator across restarts unless
+the environment is built with ``replayable_restarts=True``. ``opponent_seed`` decorrelates copies
+of one task (e.g. the G copies of a group) when the caller wants independent opponent noise.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, TextEnv, register_env
+from mage_jax.envs.opponents.tic_tac_toe import (
+    TIC_TAC_TOE_HELD_OUT_OPPONENTS,
+    TIC_TAC_TOE_TRAINING_POOL,
+    TicTacToePlayer,
+    make_tic_tac_toe_opponent,
+)
+
+__all__ = [
+    "TIC_TAC_TOE_HELD_OUT_OPPONENTS",
+    "TIC_TAC_TOE_PROMPT_SPEC",
+    "TIC_TAC_TOE_TRAINING_POOL",
+    "TicTacToeEnv",
+    "parse_cell",
+    "tic_tac_toe_board",
+    "tic_tac_toe_winner",
+]
+
+WIN_REWARD = 10.0
+LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
+"""Rows, columns and diagonals."""
+_PAIR = re.compile(r"\(\s*([+-]?\d+)\s*,\s*([+-]?\d+)\s*\)")
+
+TIC_TAC_TOE_PROMPT_SPEC = PromptSpec(
+    preamble=(
+        "You are playing Tic-Tac-Toe as X against an opponent who plays O.\n"
+        "Rules: the board has 3 rows and 3 columns, shown as three lines where '.' is an empty cell. "
+        "The players take turns marking one empty cell. Three of your marks in a row, a column or a "
+        "diagonal win the game; a full board without such a line is a draw. You may move first or "
+        "second; you are X either way. Every trial starts from the same position against the same "
+        "opponent, whose habits you can learn.\n"
+        "Goal: win the game; a draw is better than a loss.\n"
+        "Action format: <action>(row, col)</action> with row and col from 1 to 3 counted from the top "
+        "left, for example <action>(2, 2)</action> for the centre. The cell must be empty."
+    ),
+    compact_preamble=(
+        "Tic-tac-toe. You are X, opponent is O, . is empty. Three in a line wins, full board draws. "
+        "Same start and opponent every trial. Answer <action>(row, col)</action>, row and col 1 to 3."
+    ),
+    action_format="<action>(row, col)</action> with row and col from 1 to 3",
+    history_window=7,
+)
+
+
+def tic_tac_toe_winner(moves: Sequence[int]) -> int | None:
+    """0 if the first mover has three in a line, 1 if the second mover has, else None."""
+    for player in (0, 1):
+        cells = set(moves[player::2])
+        if any(a in cells and b in cells and c in cells for a, b, c in LINES):
+            return player
+    return None
+
+
+def tic_tac_toe_board(moves: Sequence[int], agent_first: bool) -> str:
+    """Three lines of ``.`` / ``X`` / ``O``, cells separated by spaces; the agent's marks are X."""
+    cells = ["."] * 9
+    for index, cell in enumerate(moves):
+        cells[cell] = "X" if (index % 2 == 0) == agent_first else "O"
+    return "\n".join(" ".join(cells[3 * row : 3 * row + 3]) for row in range(3))
+
+
+def parse_cell(text: str) -> tuple[int | None, str]:
+    """(cell index, "") for the first ``(row, col)`` pair of ``text``; (None, reason) when there is none."""
+    match = _PAIR.search(text) if isinstance(text, str) else None
+    if match is None:
+        return None, f"expected (row, col), got {_preview(text)}"
+    row_text, col_text = match.groups()
+    if max(len(row_text), len(col_text)) > 3:
+        return None, f"({row_text[:6]}, {col_text[:6]}) is off the board"
+    row, col = int(row_text), int(col_text)
+    if not (1 <= row <= 3 and 1 <= col <= 3):
+        return None, f"({row}, {col}) is off the board (rows and columns are 1 to 3)"
+    return 3 * (row - 1) + (col - 1), ""
+
+
+def cell_text(cell: int) -> str:
+    return f"({cell // 3 + 1}, {cell % 3 + 1})"
+
+
+@register_env("tic_tac_toe")
+class TicTacToeEnv(TextEnv):
+    """One meta-episode of Tic-Tac-Toe against a fixed opponent and seat."""
+
+    max_turns: int = 8
+    prompt_spec: ClassVar[PromptSpec] = TIC_TAC_TOE_PROMPT_SPEC
+    opponent_pool: ClassVar[dict[str, float]] = dict(TIC_TAC_TOE_TRAINING_POOL)
+    held_out_opponents: ClassVar[tuple[str, ...]] = TIC_TAC_TOE_HELD_OUT_OPPONENTS
+
+    def __init__(
+        self,
+        *,
+        opponent: str = "mcts-100",
+        seat: int = 0,
+        max_turns: int = 8,
+        replayable_restarts: bool = False,
+        opponent_seed: int | None = None,
+    ):
+        _check_seat(seat)
+        make_tic_tac_toe_opponent(opponent, 0)  # fail early on an unknown name or missing OpenSpiel
+        if int(max_turns) < 5:
+            raise ValueError(f"max_turns must be at least 5 (all agent's moves of a game), got {max_turns}")
+        self.max_turns = int(max_turns)
+        self.default_opponent = opponent
+        self.default_seat = seat
+        self.replayable_restarts = replayable_restarts
+        self.opponent_seed = opponent_seed
+        self._player: TicTacToePlayer | None = None
+
+    # ----------------------------------------------------------------------------- task instance
+    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None) -> str:
+        opponent = self.default_opponent if opponent is None else opponent
+        seat = self.default_seat if seat is None else seat
+        _check_seat(seat)
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self._seed = int(seed)
+        self._seat = int(seat)
+        self._opponent_name = opponent
+        salt = [] if self.opponent_seed is None else [int(self.opponent_seed)]
+        self._player_seed = int(np.random.SeedSequence([self._seed, *salt]).generate_state(1)[0])
+        self._player = make_tic_tac_toe_opponent(opponent, self._player_seed)
+        self._opening = self._player.act([]) if self._seat == 1 else None
+        return self._restore()
+
+    def restart(self) -> str:
+        if self._player is None:
+            raise RuntimeError("call reset(seed) before restart()")
+        if self.replayable_restarts and self._player.stochastic:
+            self._player = make_tic_tac_toe_opponent(self._opponent_name, self._player_seed)
+            if self._opening is not None:
+                self._player.act([])  # consume the opening draw exactly as at reset
+        return self._restore()
+
+    def _restore(self) -> str:
+        self._moves: list[int] = [] if self._opening is None else [self._opening]
+        self._turns = 0
+        self._outcome: float | None = None  # agent payoff in {+1, 0, -1} once the game is over
+        self._timed_out = False
+        return self.observation
+
+    # ----------------------------------------------------------------------------- playing
+    def step_action(self, action: str) -> StepResult:
+        if self._player is None:
+            raise RuntimeError("call reset(seed) before step()")
+        if self.done:
+            return self.invalid_step("the game is over")
+        cell, reason = parse_cell(action)
+        if cell is None:
+            return self.invalid_step(reason)
+        if cell in self._moves:
+            return self.invalid_step(f"{cell_text(cell)} is already taken")
+        self._turns += 1
+        self._play(cell)
+        if self._outcome is None:
+            self._play(self._player.act(list(self._moves)))
+        if self._outcome is None and self._turns >= self.max_turns:
+            self._timed_out = True
+        return self._result(valid=True, action=cell_text(cell))
+
+    def invalid_step(self, reason: str) -> StepResult:
+        """Nothing changes but the turn is used up; the last allowed turn ends the game (reward 0)."""
+        if self._player is not None and not self.done:
+            self._turns += 1
+            if self._turns >= self.max_turns:
+                self._timed_out = True
+        result = self._result(valid=False, action=None)
+        info = result.info
+        extra = {**info.extra, "invalid_reason": reason}
+        info = StepInfo(info.won, info.draw, info.valid, info.score, info.opponent, extra)
+        return StepResult(result.observation, 0.0, result.done, info, None)
+
+    def legal_actions(self) -> list[str]:
+        if self._player is None or self.done:
+            return []
+        return [cell_text(cell) for cell in range(9) if cell not in self._moves]
+
+    # ----------------------------------------------------------------------------- views
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None or self._timed_out
+
+    @property
+    def observation(self) -> str:
+        if self._player is None:
+            raise RuntimeError("call reset(seed) before reading the observation")
+        return tic_tac_toe_board(self._moves, agent_first=self._seat == 0)
+
+    @property
+    def opponent(self) -> str | None:
+        return None if self._player is None else self._opponent_name
+
+    @property
+    def seat(self) -> int:
+        return self._seat
+
+    @property
+    def moves(self) -> tuple[int, ...]:
+        """Cells played so far (0-based ``row * 3 + col``), the first mover's first."""
+        return tuple(self._moves)
+
+    @property
+    def turns(self) -> int:
+        return self._turns
+
+    @property
+    def task_info(self) -> dict[str, Any]:
+        if self._player is None:
+            return {}
+        return {"seed": self._seed, "seat": self._seat, "opponent": self._opponent_name}
+
+    # ----------------------------------------------------------------------------- internals
+    def _play(self, cell: int) -> None:
+        self._moves.append(int(cell))
+        winner = tic_tac_toe_winner(self._moves)
+        if winner is not None:
+            self._outcome = 1.0 if winner == self._seat else -1.0
+        elif len(self._moves) == 9:
+            self._outcome = 0.0
+
+    def _result(self, *, valid: bool, action: str | None) -> StepResult:
+        outcome = self._outcome
+        reward = WIN_REWARD * outcome if (valid and outcome is not None) else 0.0
+        info = StepInfo(
+            won=outcome == 1.0,
+            draw=outcome == 0.0,
+            valid=valid,
+            score=reward / WIN_REWARD,
+            opponent=self._opponent_name,
+            extra={"timeout": self._timed_out, "turn": self._turns},
+        )
+        return StepResult(self.observation, float(reward), self.done, info, action)
+
+
+def _check_seat(seat: Any) -> None:
+    if seat not in (0, 1):
+        raise ValueError(f"seat must be 0 (agent first) or 1 (agent second), got {seat!r}")
+
+
+def _preview(text: Any, limit: int = 40) -> str:
+    text = repr(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
