@@ -1,0 +1,606 @@
+"""The experiment configuration: typed frozen dataclasses, presets, overrides and validation.
+
+One ``ExperimentConfig`` describes a whole run (environment, model, tokenizer, sampling, rollout,
+algorithm, optimisation, loop, checkpoints, logging, device mesh). Defaults are the paper-scale
+Kuhn Poker settings of the spec (sections 2, 5, 8); experiment modules define presets as dotted
+override maps on top of them (``{"optim.lr": 1e-3, ...}``).
+
+Overrides use dotted keys and are parsed against the field's declared type, so command lines and
+JSON files go through the same checks:
+
+    --set optim.lr=1e-3      --optim.lr 1e-3      --optim.lr=1e-3      --rollout.reflect false
+
+Tuples take comma-separated values (``--env.opponents a,b``) or JSON lists, dicts take JSON
+(``--env.options '{"max_turns": 6}'``), optional fields take ``none``. Every problem (unknown key,
+wrong type, impossible value) is one ``ConfigError`` with a one-line message naming the key; the
+entry points print it and exit non-zero before writing anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Union
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message is one line that names the offending key."""
+
+
+# --------------------------------------------------------------------------------------------------
+# sections
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """Environment, opponent pool, seats and grouping (spec section 6)."""
+
+    name: str = "kuhn_poker"
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments of ``make_env`` (e.g. ``max_turns``)."""
+    opponents: tuple[str, ...] = ("conservative", "aggressive", "intermediate")
+    opponent_ratios: tuple[float, ...] = (0.3, 0.3, 0.4)
+    seats: str = "mixed"
+    """``mixed`` (agent second in half the meta-episodes), ``first`` or ``second``."""
+    grouping: str = "stationary"
+    """``stationary``: one opponent per group; ``mixed``: opponents mixed inside a group (ablation)."""
+    eval_seed_offset: int = 1_000_000
+    """Evaluation instances are drawn from seeds at this offset: held out from training."""
+    heldout_opponent: str | None = "cfr"
+    """Extra held-out evaluation opponent (None: none)."""
+    heldout_seat: str = "second"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which decoder: a named ``ModelConfig`` preset (random init) or a local HF folder (weights loaded)."""
+
+    preset: str = "qwen3-4b"
+    path: str | None = None
+    """Local Hugging Face folder (config.json + safetensors). When set, it wins over ``preset``."""
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """ModelConfig field overrides for from-scratch models (e.g. ``{"num_layers": 2}``)."""
+    dtype: str = "float32"
+    """Activation dtype (``float32`` or ``bfloat16``); parameters stay float32 for the optimiser."""
+    init_seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    kind: str = "hf"
+    """``hf``: a local folder's HF tokenizer; ``word_level``: the built-in one for from-scratch models."""
+    path: str | None = None
+    """HF tokenizer folder; defaults to ``model.path``."""
+    enable_thinking: bool = True
+    corpus_meta_episodes: int = 256
+    """Word-level only: scripted meta-episodes whose rendered prompts form the vocabulary corpus."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSection:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0: off."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Training samples at temperature 1 with no truncation; evaluation as the paper (spec section 8)."""
+
+    train: SamplingSection = SamplingSection()
+    eval: SamplingSection = SamplingSection(temperature=0.7, top_p=0.8, top_k=20)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Meta-episode shape (spec section 2) and prompt options (section 3)."""
+
+    num_tasks: int = 16
+    """B: task instances per iteration."""
+    group_size: int = 8
+    """G: meta-episodes per task instance (one group)."""
+    batch_size: int | None = None
+    """Meta-episodes per iteration; optional, must equal num_tasks * group_size when given."""
+    num_episodes: int = 3
+    """N."""
+    memory_mode: str = "reflection_only"
+    reflect: bool = True
+    """Run the reflect phase between episodes (off: memory comes from trajectories only)."""
+    prompt_style: str = "full"
+    constrained_actions: bool = False
+    """Constrain play responses to the legal ``<action>...</action>`` strings (and the log-prob recompute)."""
+    max_prompt_tokens: int = 4096
+    max_response_tokens: int = 8192
+    """Play-row generation limit."""
+    max_reflection_tokens: int | None = None
+    """Reflect-row generation limit; None: same as max_response_tokens."""
+    max_turns: int | None = None
+    """Per-episode turn limit; None: the environment's own."""
+
+
+ADVANTAGE_ESTIMATORS = ("gigpo", "grpo", "rloo", "episode_only", "step_only", "reinforce")
+REWARD_DESIGNS = ("differential", "cumulative", "single_episode")
+MEMORY_MODES = ("reflection_only", "history_only", "history_and_reflection")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """Credit assignment: reward design, returns, advantage estimator (spec sections 4 and 5).
+
+    MAGE = ``differential`` + ``gigpo``; LaMer = ``cumulative`` + ``gigpo``; the single-episode RL
+    baselines use ``num_episodes=1`` with ``grpo`` or ``gigpo``.
+    """
+
+    estimator: str = "gigpo"
+    reward: str = "differential"
+    anchor: str = "global"
+    """``global`` (pool identical states across episodes) or ``local`` (ablation)."""
+    gamma_step: float = 0.95
+    gamma_traj: float = 0.6
+    step_weight: float = 1.0
+    """omega: weight of GiGPO's step term."""
+    norm: str = "mean_norm"
+    """``mean_norm`` or ``mean_std_norm``."""
+    invalid_penalty: float = 2.0
+    length_penalty: float = 2.0
+    """c_len; 0 disables the overlong-response penalty."""
+
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "mse")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW + PPO-style loss (spec section 5)."""
+
+    lr: float = 1e-6
+    b1: float = 0.9
+    b2: float = 0.999
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    mini_batch_rows: int = 64
+    epochs: int = 1
+    clip_eps: float = 0.2
+    dual_clip: float = 3.0
+    entropy_coef: float = 0.001
+    kl_coef: float = 0.1
+    """0 disables the KL term (and the frozen reference model)."""
+    kl_kind: str = "k3"
+    kl_clamp: float = 10.0
+    aggregation: str = "token-mean"
+    logprob_chunk: int = 512
+    """Tokens per chunk in the log-prob computation (bounds the [chunk, vocab] logits buffer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    iterations: int = 150
+    eval_every: int = 10
+    """Evaluate every k iterations (0: only at the end)."""
+    eval_meta_episodes: int = 128
+    eval_num_episodes: int = 3
+    eval_heldout_meta_episodes: int = 128
+    """Meta-episodes against the held-out opponent (0: skip)."""
+    eval_final_only_heldout: bool = True
+    """Held-out evaluation only at the end (it is not a training signal)."""
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """None: ``<run_dir>/checkpoints``."""
+    every: int = 10
+    """Save every k iterations (and at the end, and on SIGTERM); 0: only at the end."""
+    keep: int = 2
+    """Keep the last k checkpoints."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    run_dir: str | None = None
+    """None: ``runs/<experiment>/<timestamp>``."""
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "mage-jax"
+    progress: bool = True
+    """tqdm progress bars during training and evaluation."""
+    plots: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axes; -1 on one axis takes all remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    name: str = "kuhn_poker"
+    env: EnvConfig = EnvConfig()
+    model: ModelSection = ModelSection()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    mesh: MeshConfig = MeshConfig()
+
+
+# --------------------------------------------------------------------------------------------------
+# typed parsing of values
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_optional(tp: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return True, args[0]
+    return False, tp
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _type_name(tp: Any) -> str:
+    optional, inner = _is_optional(tp)
+    if optional:
+        return f"{_type_name(inner)} or none"
+    if typing.get_origin(tp) is tuple:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is dict or tp is dict:
+        return "a JSON object"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(key: str, tp: Any, value: Any) -> Any:
+    """Convert ``value`` (a CLI string or a JSON value) to the field type ``tp`` or raise ConfigError."""
+    optional, inner = _is_optional(tp)
+    if optional:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
+            return None
+        return coerce(key, inner, value)
+    bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                try:
+                    f = float(value.strip())
+                except ValueError:
+                    raise bad from None
+                if f.is_integer():
+                    return int(f)
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if typing.get_origin(tp) is tuple:
+        (elem,) = typing.get_args(tp)[:1]
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError:
+                    raise bad from None
+            else:
+                value = [v.strip() for v in text.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return tuple(coerce(key, elem, v) for v in value)
+    if typing.get_origin(tp) is dict or tp is dict:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise bad from None
+        if not isinstance(value, Mapping):
+            raise bad
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, Mapping):
+            return from_dict(tp, value, prefix=key + ".")
+        raise bad
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# dict <-> config, overrides
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-ready nested dict (tuples become lists)."""
+
+    def conv(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, Mapping):
+            return {str(k): conv(x) for k, x in v.items()}
+        return v
+
+    return conv(cfg)
+
+
+def from_dict(cls: type, data: Mapping[str, Any], *, prefix: str = "") -> Any:
+    """Build a (section) config from a nested dict; unknown keys and wrong types are ConfigErrors."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a JSON object, got {data!r}")
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            known = ", ".join(sorted(names))
+            raise ConfigError(f"unknown config key {prefix + key!r}; known in this section: {known}")
+        kwargs[key] = coerce(prefix + key, hints[key], value)
+    return cls(**kwargs)
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += _all_keys(tp, prefix + f.name + ".")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def all_keys() -> list[str]:
+    """Every dotted key an override may set."""
+    return _all_keys(ExperimentConfig)
+
+
+def _set(cfg: Any, parts: list[str], value: Any, full: str) -> Any:
+    cls = type(cfg)
+    names = {f.name for f in dataclasses.fields(cls)}
+    head = parts[0]
+    if head not in names:
+        known = ", ".join(sorted(names))
+        raise ConfigError(f"unknown config key {full!r} ({head!r} is not one of: {known})")
+    tp = _hints(cls)[head]
+    if len(parts) == 1:
+        if dataclasses.is_dataclass(tp) and not isinstance(value, Mapping):
+            example = f"{full}.{dataclasses.fields(tp)[0].name}"
+            raise ConfigError(f"{full} is a section; set one of its keys (e.g. {example})")
+        return dataclasses.replace(cfg, **{head: coerce(full, tp, value)})
+    child = getattr(cfg, head)
+    if not dataclasses.is_dataclass(child):
+        raise ConfigError(f"unknown config key {full!r} ({'.'.join(full.split('.')[:-1])} is not a section)")
+    return dataclasses.replace(cfg, **{head: _set(child, parts[1:], value, full)})
+
+
+def apply_overrides(cfg: ExperimentConfig, overrides: Mapping[str, Any]) -> ExperimentConfig:
+    """Apply dotted-key overrides in order (values may be CLI strings or typed values)."""
+    for key, value in overrides.items():
+        if not isinstance(key, str) or not key or any(not p for p in key.split(".")):
+            raise ConfigError(f"bad config key {key!r}")
+        cfg = _set(cfg, key.split("."), value, key)
+    return cfg
+
+
+def parse_assignment(text: str) -> tuple[str, str]:
+    """``"optim.lr=1e-3"`` -> ``("optim.lr", "1e-3")``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"bad override {text!r}; expected KEY=VALUE such as optim.lr=1e-3")
+    return key.strip(), value
+
+
+# --------------------------------------------------------------------------------------------------
+# validation
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: Any, allowed: typing.Iterable[Any]) -> None:
+    allowed = tuple(allowed)
+    _check(value in allowed, f"{key} must be one of {', '.join(map(str, allowed))} (got {value!r})")
+
+
+def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentConfig:
+    """Raise ConfigError (one line) for the first impossible setting; return ``cfg`` when sound."""
+    e, r, a, o, t = cfg.env, cfg.rollout, cfg.algorithm, cfg.optim, cfg.train
+    # environment
+    _check(bool(e.name), "env.name must not be empty")
+    _check(len(e.opponents) == len(e.opponent_ratios),
+           f"env.opponents ({len(e.opponents)}) and env.opponent_ratios ({len(e.opponent_ratios)}) "
+           "differ in length")
+    _check(all(x >= 0 for x in e.opponent_ratios), "env.opponent_ratios must be non-negative")
+    if e.opponent_ratios:
+        _check(abs(sum(e.opponent_ratios) - 1.0) < 1e-6,
+               f"env.opponent_ratios must sum to 1 (got {sum(e.opponent_ratios):g})")
+    _one_of("env.seats", e.seats, ("mixed", "first", "second"))
+    _one_of("env.heldout_seat", e.heldout_seat, ("mixed", "first", "second"))
+    _one_of("env.grouping", e.grouping, ("stationary", "mixed"))
+    _check(e.eval_seed_offset >= 0, "env.eval_seed_offset must be >= 0")
+    # model / tokenizer
+    _check(bool(cfg.model.preset) or cfg.model.path is not None, "model.preset or model.path must be set")
+    _one_of("model.dtype", cfg.model.dtype, ("float32", "bfloat16"))
+    if check_paths and cfg.model.path is not None:
+        _check(os.path.isdir(cfg.model.path),
+               f"model.path {cfg.model.path!r} is not a folder; pass a local Hugging Face model folder "
+               "(config.json + *.safetensors) with --model.path DIR")
+        _check(os.path.isfile(os.path.join(cfg.model.path, "config.json")),
+               f"model.path {cfg.model.path!r} has no config.json; it must be a local Hugging Face "
+               "model folder")
+    _one_of("tokenizer.kind", cfg.tokenizer.kind, ("hf", "word_level"))
+    if cfg.tokenizer.kind == "hf":
+        tok_path = cfg.tokenizer.path or cfg.model.path
+        _check(tok_path is not None,
+               "tokenizer.kind=hf needs tokenizer.path or model.path (a local Hugging Face folder)")
+        if check_paths:
+            _check(os.path.isdir(tok_path), f"tokenizer folder {tok_path!r} does not exist")
+    _check(cfg.tokenizer.corpus_meta_episodes > 0, "tokenizer.corpus_meta_episodes must be > 0")
+    # sampling
+    for split in ("train", "eval"):
+        s = getattr(cfg.sampling, split)
+        _check(s.temperature > 0, f"sampling.{split}.temperature must be > 0 (got {s.temperature})")
+        _check(0 < s.top_p <= 1, f"sampling.{split}.top_p must be in (0, 1] (got {s.top_p})")
+        _check(s.top_k >= 0, f"sampling.{split}.top_k must be >= 0 (got {s.top_k})")
+    # rollout
+    _check(r.num_tasks >= 1, f"rollout.num_tasks must be >= 1 (got {r.num_tasks})")
+    _check(r.group_size >= 1, f"rollout.group_size must be >= 1 (got {r.group_size})")
+    if r.batch_size is not None:
+        _check(r.batch_size >= 1, f"rollout.batch_size must be >= 1 (got {r.batch_size})")
+        _check(r.batch_size % r.group_size == 0,
+               f"rollout.group_size {r.group_size} does not divide rollout.batch_size {r.batch_size}")
+        _check(r.batch_size == r.num_tasks * r.group_size,
+               f"rollout.batch_size {r.batch_size} != rollout.num_tasks * rollout.group_size "
+               f"({r.num_tasks} * {r.group_size} = {r.num_tasks * r.group_size})")
+    _check(r.num_episodes >= 1, f"rollout.num_episodes must be >= 1 (got {r.num_episodes})")
+    _one_of("rollout.memory_mode", r.memory_mode, MEMORY_MODES)
+    _check(not (r.memory_mode != "history_only" and not r.reflect and r.num_episodes > 1),
+           f"rollout.memory_mode={r.memory_mode} needs reflections; set rollout.reflect=true or "
+           "rollout.memory_mode=history_only")
+    _one_of("rollout.prompt_style", r.prompt_style, ("full", "compact"))
+    _check(r.max_prompt_tokens >= 1, f"rollout.max_prompt_tokens must be >= 1 (got {r.max_prompt_tokens})")
+    _check(r.max_response_tokens >= 1,
+           f"rollout.max_response_tokens must be >= 1 (got {r.max_response_tokens})")
+    if r.max_reflection_tokens is not None:
+        _check(r.max_reflection_tokens >= 1, "rollout.max_reflection_tokens must be >= 1")
+    if r.max_turns is not None:
+        _check(r.max_turns >= 1, f"rollout.max_turns must be >= 1 (got {r.max_turns})")
+    if e.grouping == "stationary" and e.opponents:
+        pass  # any B works: groups are assigned in blocks by ratio
+    # algorithm
+    _one_of("algorithm.estimator", a.estimator, _estimator_names())
+    _one_of("algorithm.reward", a.reward, REWARD_DESIGNS)
+    _one_of("algorithm.anchor", a.anchor, ("global", "local"))
+    _one_of("algorithm.norm", a.norm, ("mean_norm", "mean_std_norm"))
+    _check(0 <= a.gamma_step <= 1, f"algorithm.gamma_step must be in [0, 1] (got {a.gamma_step})")
+    _check(0 <= a.gamma_traj <= 1, f"algorithm.gamma_traj must be in [0, 1] (got {a.gamma_traj})")
+    _check(a.step_weight >= 0, "algorithm.step_weight must be >= 0")
+    _check(a.invalid_penalty >= 0, "algorithm.invalid_penalty must be >= 0")
+    _check(a.length_penalty >= 0, "algorithm.length_penalty must be >= 0")
+    # optimisation
+    _check(o.lr > 0, f"optim.lr must be > 0 (got {o.lr})")
+    _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optim.b1 and optim.b2 must be in [0, 1) (got {o.b1}, {o.b2})")
+    _check(o.weight_decay >= 0, f"optim.weight_decay must be >= 0 (got {o.weight_decay})")
+    _check(o.grad_clip > 0, f"optim.grad_clip must be > 0 (got {o.grad_clip})")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+    _check(o.mini_batch_rows >= 1, f"optim.mini_batch_rows must be >= 1 (got {o.mini_batch_rows})")
+    _check(o.epochs >= 1, f"optim.epochs must be >= 1 (got {o.epochs})")
+    _check(0 < o.clip_eps < 1, f"optim.clip_eps must be in (0, 1) (got {o.clip_eps})")
+    _check(o.dual_clip > 1, f"optim.dual_clip must be > 1 (got {o.dual_clip})")
+    _check(o.entropy_coef >= 0, f"optim.entropy_coef must be >= 0 (got {o.entropy_coef})")
+    _check(o.kl_coef >= 0, f"optim.kl_coef must be >= 0 (got {o.kl_coef})")
+    _one_of("optim.kl_kind", o.kl_kind, KL_KINDS)
+    _check(o.kl_clamp > 0, "optim.kl_clamp must be > 0")
+    _one_of("optim.aggregation", o.aggregation, AGGREGATIONS)
+    _check(o.logprob_chunk >= 1, "optim.logprob_chunk must be >= 1")
+    # loop
+    _check(t.iterations >= 0, f"train.iterations must be >= 0 (got {t.iterations})")
+    _check(t.eval_every >= 0, "train.eval_every must be >= 0")
+    _check(t.eval_meta_episodes >= 1, f"train.eval_meta_episodes must be >= 1 (got {t.eval_meta_episodes})")
+    _check(t.eval_num_episodes >= 1, f"train.eval_num_episodes must be >= 1 (got {t.eval_num_episodes})")
+    _check(t.eval_heldout_meta_episodes >= 0, "train.eval_heldout_meta_episodes must be >= 0")
+    # checkpoints, mesh
+    _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0")
+    _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1 (got {cfg.checkpoint.keep})")
+    m = cfg.mesh
+    sizes = (m.data, m.fsdp, m.tensor)
+    _check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes must be >= 1 or -1 (got {sizes})")
+    _check(sum(s == -1 for s in sizes) <= 1, "at most one mesh axis may be -1")
+    return cfg
+
+
+def _estimator_names() -> tuple[str, ...]:
+    """Names of the advantages registry (the built-in list when the registry is not importable)."""
+    try:
+        from mage_jax.algorithms import advantages
+
+        names = getattr(advantages, "available_estimators", None) or getattr(advantages, "ESTIMATORS", None)
+        if callable(names):
+            names = names()
+        if names:
+            return tuple(sorted(names))
+    except ImportError:
+        pass
+    return ADVANTAGE_ESTIMATORS
+
+
+# --------------------------------------------------------------------------------------------------
+# files
+
+
+CONFIG_FILE = "config.json"
+
+
+def save(cfg: ExperimentConfig, run_dir: str) -> str:
+    """Write the resolved config to ``<run_dir>/config.json`` (atomically) and return the path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, CONFIG_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(to_dict(cfg), f, indent=2, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load(path: str) -> ExperimentConfig:
+    """Read a config JSON (a run dir or the file itself); problems are ConfigErrors."""
+    if os.path.isdir(path):
+        path = os.path.join(path, CONFIG_FILE)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"config file {path!r} is not valid JSON: {err}") from None
+    return from_dict(ExperimentConfig, data)

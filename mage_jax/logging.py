@@ -1,0 +1,166 @@
+"""Run logging: JSONL metrics always; TensorBoard and Weights & Biases when installed and asked for.
+
+The JSONL file (``<run_dir>/metrics.jsonl``) is the source of truth: one record per training
+iteration (``split="train"``) or evaluation (``split="eval"``, ``"heldout"``), with the iteration
+number and plain floats. A resumed run first drops the records written after its checkpoint, so the
+file of a resumed run reads exactly like the file of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def to_jsonable(value: Any) -> Any:
+    """Plain JSON values: numpy / JAX scalars become floats or ints, non-finite floats become None."""
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        return v if math.isfinite(v) else None
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # 0-d array (numpy or JAX)
+        arr = np.asarray(value)
+        if arr.ndim == 0:
+            return to_jsonable(arr.item())
+        return to_jsonable(arr.tolist())
+    return value
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """All records of a JSONL file (a torn last line from a killed run is ignored)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, METRICS_FILE)
+    records = []
+    if not os.path.exists(path):
+        return records
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def truncate_after(path: str, iteration: int) -> None:
+    """Keep only the records with ``iteration <= iteration`` (used when resuming from a checkpoint)."""
+    if not os.path.exists(path):
+        return
+    kept = [r for r in read_jsonl(path) if int(r.get("iteration", 0)) <= iteration]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Writes metric records to JSONL and, optionally, to TensorBoard and W&B."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        wandb_project: str = "mage-jax",
+        config: Mapping[str, Any] | None = None,
+        resume_iteration: int | None = None,
+    ):
+        self.run_dir = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        if resume_iteration is not None:
+            truncate_after(self.path, resume_iteration)
+        elif os.path.exists(self.path):
+            os.remove(self.path)
+        self._file = open(self.path, "a")  # noqa: SIM115 (open for the logger's lifetime)
+        self._tb = _open_tensorboard(run_dir) if tensorboard else None
+        self._wandb = _open_wandb(run_dir, wandb_project, config) if wandb else None
+
+    def log(self, iteration: int, metrics: Mapping[str, Any], *, split: str = "train") -> dict[str, Any]:
+        record = {"split": split, "iteration": int(iteration), "time": round(time.time(), 3)}
+        record.update(to_jsonable(dict(metrics)))
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        scalars = {k: v for k, v in record.items() if k not in ("split", "iteration", "time")
+                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(f"{split}/{key}", value, int(iteration))
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({f"{split}/{k}": v for k, v in scalars.items()}, step=int(iteration))
+        return record
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _open_tensorboard(run_dir: str):
+    logdir = os.path.join(run_dir, "tensorboard")
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            _warn("TensorBoard logging asked for but neither tensorboardX nor tensorboard is installed "
+                  "(pip install 'mage-jax[logging]'); logging to JSONL only")
+            return None
+    return SummaryWriter(logdir)
+
+
+def _open_wandb(run_dir: str, project: str, config: Mapping[str, Any] | None):
+    try:
+        import wandb
+    except ImportError:
+        _warn("W&B logging asked for but wandb is not installed (pip install 'mage-jax[logging]'); "
+              "logging to JSONL only")
+        return None
+    id_file = os.path.join(run_dir, "wandb_id.txt")
+    if os.path.exists(id_file):
+        with open(id_file) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = wandb.util.generate_id()
+        with open(id_file, "w") as f:
+            f.write(run_id)
+    return wandb.init(project=project, dir=run_dir, id=run_id, resume="allow",
+                      config=dict(config) if config else None)
