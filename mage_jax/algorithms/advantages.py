@@ -1,0 +1,217 @@
+"""Advantage estimators over flat per-row arrays, in a registry by name (spec section 5).
+
+``compute_advantages(name, rows, cfg)`` returns one float32 advantage per row (0 on padding rows);
+the trainer broadcasts it to every response token of the row. Every estimator is jit-compiled
+with the (frozen, hashable) ``AdvantageConfig`` as a static argument, so a run with one config
+compiles once per batch size R.
+
+Registered estimators:
+  * ``gigpo`` (MAGE, LaMer, GiGPO): A = A_ep + ω·A_step with A_ep = e − mean(e over all rows of the
+    group) and A_step = G − mean(G over rows of the group with the same anchor). With
+    ``reward_design="cumulative"`` this is LaMer; with ``"single_episode"`` it is GiGPO on single
+    episodes (γ_traj is forced to 0).
+  * ``grpo``: the meta-episode score Σ_n d_n − Σ_rows penalties, normalised over the meta-episodes
+    of the group and broadcast to the meta-episode's rows.
+  * ``rloo``: the same score minus the leave-one-out mean of the other meta-episodes of the group.
+
+Normalisation (``norm``): ``mean_norm`` subtracts the pool mean; ``mean_std_norm`` also divides by
+(std + ε), std being the unbiased (n − 1) sample standard deviation as in the reference, and
+std := 1 for a pool of one. It applies to gigpo (both terms) and grpo; rloo uses no std scaling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from mage_jax.algorithms.returns import (
+    REWARD_DESIGNS,
+    RowBatch,
+    dense_ids,
+    meta_episode_returns,
+    meta_rewards,
+    row_penalties,
+    segment_count,
+    step_returns,
+)
+
+NORM_MODES = ("mean_norm", "mean_std_norm")
+ANCHOR_MODES = ("global", "local")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    """Credit-assignment settings (defaults: MAGE, spec sections 4-5)."""
+
+    reward_design: str = "differential"
+    gamma_step: float = 0.95
+    gamma_traj: float = 0.6
+    omega: float = 1.0
+    norm: str = "mean_norm"
+    anchor: str = "global"
+    invalid_penalty: float = 0.5
+    length_penalty: float = 0.0
+    max_response_length: int | None = None
+    epsilon: float = 1e-6
+
+    def __post_init__(self):
+        if self.reward_design not in REWARD_DESIGNS:
+            raise ValueError(f"reward_design must be one of {REWARD_DESIGNS}, got {self.reward_design!r}")
+        if self.norm not in NORM_MODES:
+            raise ValueError(f"norm must be one of {NORM_MODES}, got {self.norm!r}")
+        if self.anchor not in ANCHOR_MODES:
+            raise ValueError(f"anchor must be one of {ANCHOR_MODES}, got {self.anchor!r}")
+        for name in ("gamma_step", "gamma_traj"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        for name in ("invalid_penalty", "length_penalty", "epsilon"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+        if self.length_penalty > 0 and (self.max_response_length is None or self.max_response_length <= 0):
+            raise ValueError("length_penalty > 0 needs a positive max_response_length (M)")
+
+    @property
+    def effective_gamma_traj(self) -> float:
+        """γ_traj, forced to 0 by the single-episode design (no propagation across episodes)."""
+        return 0.0 if self.reward_design == "single_episode" else self.gamma_traj
+
+
+@flax.struct.dataclass
+class Credit:
+    """Per-row credit for logging and for the estimators: d_n, penalty, score e and step return G."""
+
+    meta_reward: jax.Array  # d_n on play rows, 0 on reflect rows
+    penalty: jax.Array  # training-only penalties (≥ 0)
+    score: jax.Array  # e = d_n - penalty (reflect rows: -penalty)
+    step_return: jax.Array  # G
+
+
+def _credit(rows: RowBatch, cfg: AdvantageConfig) -> Credit:
+    d = meta_rewards(rows, cfg.reward_design)
+    max_len = cfg.max_response_length if cfg.length_penalty > 0 else None
+    penalty = row_penalties(
+        rows, invalid_penalty=cfg.invalid_penalty, length_penalty=cfg.length_penalty,
+        max_response_length=max_len,
+    )
+    g = step_returns(rows, d, gamma_step=cfg.gamma_step, gamma_traj=cfg.effective_gamma_traj)
+    return Credit(meta_reward=d, penalty=penalty, score=d - penalty, step_return=g)
+
+
+credit = jax.jit(_credit, static_argnums=1)
+credit.__doc__ = "Per-row d_n, penalty, row score e and step return G (a ``Credit``), for logging."
+
+
+def centre(x: jax.Array, pool: jax.Array, weight: jax.Array, *, std_norm: bool, epsilon: float) -> jax.Array:
+    """x minus the mean of its pool (rows with equal ``pool`` id and ``weight`` set).
+
+    With ``std_norm`` the result is divided by (std + ε): unbiased std, std := 1 for a pool of one.
+    A pool of one therefore gives 0. Rows without ``weight`` get the statistics of their pool too.
+    """
+    nseg = x.shape[0] + 1
+    w = weight.astype(jnp.float32)
+    count = segment_count(pool, weight)
+    mean = jax.ops.segment_sum(x * w, pool, nseg) / jnp.maximum(count, 1.0)
+    deviation = x - mean[pool]
+    if not std_norm:
+        return deviation
+    square = jax.ops.segment_sum(deviation**2 * w, pool, nseg)
+    std = jnp.where(count > 1, jnp.sqrt(square / jnp.maximum(count - 1.0, 1.0)), 1.0)
+    return deviation / (std[pool] + epsilon)
+
+
+# ------------------------------------------------------------------------------------------------
+# Registry
+
+AdvantageFn = Callable[[RowBatch, AdvantageConfig], jax.Array]
+_REGISTRY: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register ``fn(rows, cfg) -> float32[R]`` under ``name``; it is jitted with cfg static."""
+
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        if name in _REGISTRY:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        _REGISTRY[name] = jax.jit(fn, static_argnums=1)
+        return fn
+
+    return decorator
+
+
+def available_advantages() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def advantage_fn(name: str) -> AdvantageFn:
+    """The jitted estimator registered under ``name``."""
+    if name not in _REGISTRY:
+        known = ", ".join(available_advantages())
+        raise ValueError(f"unknown advantage estimator {name!r}; available: {known}")
+    return _REGISTRY[name]
+
+
+def compute_advantages(name: str, rows: RowBatch, cfg: AdvantageConfig | None = None) -> jax.Array:
+    """Per-row advantages of the estimator ``name`` (float32[R], 0 on padding rows)."""
+    return advantage_fn(name)(rows, AdvantageConfig() if cfg is None else cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# Estimators
+
+
+@register_advantage("gigpo")
+def gigpo(rows: RowBatch, cfg: AdvantageConfig) -> jax.Array:
+    """A = A_ep + ω·A_step; episode pool = all rows of the group, step pool = anchor cluster."""
+    c = _credit(rows, cfg)
+    std_norm = cfg.norm == "mean_std_norm"
+    group = dense_ids(rows.group, mask=rows.mask)
+    if cfg.anchor == "global":
+        cluster = dense_ids(rows.group, rows.anchor, mask=rows.mask)
+    else:
+        cluster = dense_ids(rows.group, rows.anchor, rows.episode, mask=rows.mask)
+    a_episode = centre(c.score, group, rows.mask, std_norm=std_norm, epsilon=cfg.epsilon)
+    a_step = centre(c.step_return, cluster, rows.mask, std_norm=std_norm, epsilon=cfg.epsilon)
+    return jnp.where(rows.mask, a_episode + cfg.omega * a_step, 0.0)
+
+
+def _meta_episode_scores(rows: RowBatch, cfg: AdvantageConfig):
+    """Per-row score of its meta-episode (Σ d − Σ penalties), meta ids, group ids, representatives."""
+    num_rows = rows.num_rows
+    meta = dense_ids(rows.group, rows.meta_episode, mask=rows.mask)
+    group = dense_ids(rows.group, mask=rows.mask)
+    max_len = cfg.max_response_length if cfg.length_penalty > 0 else None
+    penalty = row_penalties(
+        rows, invalid_penalty=cfg.invalid_penalty, length_penalty=cfg.length_penalty,
+        max_response_length=max_len,
+    )
+    penalty_sum = jax.ops.segment_sum(penalty, meta, num_rows + 1)[meta]
+    score = meta_episode_returns(rows, cfg.reward_design) - penalty_sum
+    # One representative row per meta-episode, so each meta-episode counts once in its group's pool.
+    position = jnp.arange(num_rows)
+    first = jax.ops.segment_min(position, meta, num_rows + 1)
+    representative = rows.mask & (first[meta] == position)
+    return score, group, representative
+
+
+@register_advantage("grpo")
+def grpo(rows: RowBatch, cfg: AdvantageConfig) -> jax.Array:
+    """Group-normalised meta-episode score, broadcast to the rows of the meta-episode."""
+    score, group, representative = _meta_episode_scores(rows, cfg)
+    a = centre(score, group, representative, std_norm=cfg.norm == "mean_std_norm", epsilon=cfg.epsilon)
+    return jnp.where(rows.mask, a, 0.0)
+
+
+@register_advantage("rloo")
+def rloo(rows: RowBatch, cfg: AdvantageConfig) -> jax.Array:
+    """Score minus the mean score of the other meta-episodes of the group (0 for a group of one)."""
+    score, group, representative = _meta_episode_scores(rows, cfg)
+    nseg = rows.num_rows + 1
+    count = segment_count(group, representative)[group]
+    total = jax.ops.segment_sum(jnp.where(representative, score, 0.0), group, nseg)[group]
+    others = (total - score) / jnp.maximum(count - 1.0, 1.0)
+    a = jnp.where(count > 1, score - others, 0.0)
+    return jnp.where(rows.mask, a, 0.0)
