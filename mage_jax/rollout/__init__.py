@@ -1,1 +1,25 @@
-"""mage_jax.rollout."""
+"""Rollout: task sampling, the lockstep meta-episode runner, row records and their packing."""
+
+from mage_jax.rollout.meta_episode import MetaEpisodeOutcome, MetaEpisodeRunner, RolloutResult, RunnerConfig
+from mage_jax.rollout.policy import Generation, GenerationRequest, LLMPolicy, Policy, ScriptedPolicy
+from mage_jax.rollout.rows import PackedBatch, Row, minibatch_indices, pack_rows
+from mage_jax.rollout.tasks import Task, TaskSampler, TaskSamplerConfig
+
+__all__ = [
+    "Generation",
+    "GenerationRequest",
+    "LLMPolicy",
+    "MetaEpisodeOutcome",
+    "MetaEpisodeRunner",
+    "PackedBatch",
+    "Policy",
+    "RolloutResult",
+    "Row",
+    "RunnerConfig",
+    "ScriptedPolicy",
+    "Task",
+    "TaskSampler",
+    "TaskSamplerConfig",
+    "minibatch_indices",
+    "pack_rows",
+]

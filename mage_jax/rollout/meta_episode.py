@@ -1,0 +1,491 @@
+"""The lockstep meta-episode runner (spec section 2).
+
+``MetaEpisodeRunner.run`` plays one meta-episode per task, all of them in lockstep: for episode
+n = 0..N-1, every turn renders the play prompts of all environments still playing and makes *one*
+batched ``policy.generate`` call; after the play phase, every meta-episode that did not win and has
+an episode left writes one reflection (one batched call for all of them). A won meta-episode stops:
+it neither reflects nor plays again. Every LLM call becomes a ``Row``.
+
+Memory: after episode n the runner keeps an ``EpisodeRecord`` (moves, reward, won, reflection) and
+the play prompts of later episodes show the records per ``memory_mode`` (rendered by
+``mage_jax.envs.prompts``, the only place that renders memory). With ``reflect=False`` no reflection
+rows are generated at all and records carry no reflection; this is only meaningful with
+``memory_mode="history_only"`` (models trained from scratch that cannot yet write reflections), and
+any other combination is a config error.
+
+Prompt overflow: when ``max_prompt_tokens`` is set and a rendered prompt is longer, the runner drops
+the oldest memory entries first, then shortens the window W of shown moves; each fix is counted in
+the stats. A prompt that still does not fit is not sent to the model: the row is recorded as an
+invalid turn (empty response, ``overflow=True``; a play turn is used up, a reflection is empty).
+
+Payoff: an episode's payoff is its reward divided by the environment's reward scale, taken from the
+environment attribute ``reward_scale`` (Kuhn Poker: 5, so payoff is in chips; Tic-Tac-Toe: 10),
+then from ``StepInfo.extra["reward_scale"]``, else 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
+from mage_jax.envs.base import StepResult, TextEnv, make_env
+from mage_jax.envs.parsing import extract_reflection
+from mage_jax.envs.prompts import (
+    MEMORY_MODES,
+    STYLES,
+    EpisodeRecord,
+    Move,
+    render_play_prompt,
+    render_reflect_prompt,
+)
+from mage_jax.rollout.policy import Generation, GenerationRequest, Policy
+from mage_jax.rollout.rows import Row
+from mage_jax.rollout.tasks import Task
+
+ANCHOR_MODES = ("global", "local")
+_EMPTY_IDS = np.zeros(0, dtype=np.int32)
+_EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """How meta-episodes are played (spec sections 2 and 3).
+
+    ``num_episodes``: N. ``max_turns``: None uses the environment's own limit. ``constrained_actions``:
+    play rows are decoded under the constraint ``<action>X</action>`` for X in ``env.legal_actions()``.
+    ``privileged_reflection``: training reflect prompts show ``env.privileged_observation()`` (Kuhn's
+    both-cards quirk; never at evaluation). ``show_admissible``: list the legal actions in play prompts
+    (None: the environment attribute ``show_admissible``, default False). ``keep_text``: rows keep
+    their prompt and response text (debugging; costs memory).
+    """
+
+    num_episodes: int = 3
+    memory_mode: str = "reflection_only"
+    reflect: bool = True
+    prompt_style: str = "full"
+    constrained_actions: bool = False
+    privileged_reflection: bool = False
+    anchor_mode: str = "global"
+    max_prompt_tokens: int | None = None
+    max_turns: int | None = None
+    show_admissible: bool | None = None
+    keep_text: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_episodes, int) or self.num_episodes < 1:
+            raise ValueError(f"num_episodes must be a positive integer, got {self.num_episodes!r}")
+        if self.memory_mode not in MEMORY_MODES:
+            raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {self.memory_mode!r}")
+        if self.prompt_style not in STYLES:
+            raise ValueError(f"prompt_style must be one of {STYLES}, got {self.prompt_style!r}")
+        if self.anchor_mode not in ANCHOR_MODES:
+            raise ValueError(f"anchor_mode must be one of {ANCHOR_MODES}, got {self.anchor_mode!r}")
+        if not self.reflect and self.memory_mode != "history_only":
+            raise ValueError(
+                f"reflect=False writes no reflections, so memory_mode must be 'history_only' "
+                f"(got {self.memory_mode!r})"
+            )
+        if self.max_prompt_tokens is not None and (
+            not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1
+        ):
+            raise ValueError(
+                f"max_prompt_tokens must be a positive integer or None, got {self.max_prompt_tokens!r}"
+            )
+        if self.max_turns is not None and (not isinstance(self.max_turns, int) or self.max_turns < 1):
+            raise ValueError(f"max_turns must be a positive integer or None, got {self.max_turns!r}")
+
+
+@dataclasses.dataclass
+class MetaEpisodeOutcome:
+    """What happened in one meta-episode, per episode that ran (lists of length ``episodes_run``).
+
+    ``rewards``: R_n, the summed environment reward of episode n. ``payoff``: R_n / reward scale.
+    ``score``: the environment's ``StepInfo.score`` at the episode's last step. ``won`` / ``draw``:
+    the last step's outcome flags. ``turns``: play turns used.
+    """
+
+    meta_episode: int
+    group: int
+    seed: int
+    opponent: str | None
+    seat: int | None
+    rewards: list[float] = dataclasses.field(default_factory=list)
+    won: list[bool] = dataclasses.field(default_factory=list)
+    draw: list[bool] = dataclasses.field(default_factory=list)
+    score: list[float] = dataclasses.field(default_factory=list)
+    payoff: list[float] = dataclasses.field(default_factory=list)
+    turns: list[int] = dataclasses.field(default_factory=list)
+    reflections: list[str] = dataclasses.field(default_factory=list)
+    valid_actions: int = 0
+    invalid_actions: int = 0
+    rows: int = 0
+    task_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def episodes_run(self) -> int:
+        return len(self.rewards)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["episodes_run"] = self.episodes_run
+        return out
+
+
+@dataclasses.dataclass
+class RolloutResult:
+    """All rows of a rollout (in generation order), the per-meta-episode outcomes, and counters."""
+
+    rows: list[Row]
+    outcomes: list[MetaEpisodeOutcome]
+    stats: dict[str, float]
+
+
+@dataclasses.dataclass
+class _MetaState:
+    """Mutable bookkeeping of one meta-episode while it runs."""
+
+    task: Task
+    env: TextEnv
+    outcome: MetaEpisodeOutcome
+    reward_scale: float
+    initial_observation: str = ""
+    memory: list[EpisodeRecord] = dataclasses.field(default_factory=list)
+    moves: list[Move] = dataclasses.field(default_factory=list)
+    episode_reward: float = 0.0
+    last_result: StepResult | None = None
+    done: bool = False
+    finished: bool = False
+    step: int = 0
+
+
+class MetaEpisodeRunner:
+    """Plays meta-episodes of one environment type in lockstep; environments are reused across runs."""
+
+    def __init__(
+        self, env_name: str, env_options: Mapping[str, Any] | None = None, config: RunnerConfig | None = None
+    ):
+        self.env_name = env_name
+        self.env_options = dict(env_options or {})
+        self.config = config or RunnerConfig()
+        self._pool: list[TextEnv] = []
+        make_env(env_name, **self.env_options)  # fail early and clearly on a bad name or options
+
+    def _envs(self, count: int) -> list[TextEnv]:
+        while len(self._pool) < count:
+            self._pool.append(make_env(self.env_name, **self.env_options))
+        return self._pool[:count]
+
+    # -- public --------------------------------------------------------------------------------
+    def run(self, tasks: Sequence[Task], policy: Policy, *, training: bool) -> RolloutResult:
+        """Play one meta-episode per task; returns every row and every outcome."""
+        cfg = self.config
+        start = time.perf_counter()
+        self._rows: list[Row] = []
+        self._stats = {
+            "generate_calls": 0,
+            "overflow_memory_dropped": 0,
+            "overflow_window_truncated": 0,
+            "overflow_invalid": 0,
+            "missing_remark": 0,
+            "truncated_responses": 0,
+        }
+        self._training = training
+        states = []
+        for task, env in zip(tasks, self._envs(len(tasks))):
+            observation = env.reset(task.seed, opponent=task.opponent, seat=task.seat)
+            info = {"seed": task.seed, "opponent": task.opponent, "seat": task.seat, **dict(env.task_info)}
+            states.append(
+                _MetaState(
+                    task=task,
+                    env=env,
+                    outcome=MetaEpisodeOutcome(
+                        meta_episode=task.meta_episode,
+                        group=task.group,
+                        seed=task.seed,
+                        opponent=task.opponent,
+                        seat=task.seat,
+                        task_info=info,
+                    ),
+                    reward_scale=float(getattr(env, "reward_scale", 0.0) or 0.0),
+                    initial_observation=observation,
+                )
+            )
+
+        for episode in range(cfg.num_episodes):
+            active = [s for s in states if not s.finished]
+            if not active:
+                break
+            for s in active:
+                if episode > 0:
+                    s.initial_observation = s.env.restart()
+                s.moves, s.episode_reward, s.last_result, s.done = [], 0.0, None, False
+            self._play_phase(active, episode, policy)
+            records = {id(s): self._end_episode(s) for s in active}
+            reflecting = [
+                s for s in active if cfg.reflect and not s.outcome.won[-1] and episode < cfg.num_episodes - 1
+            ]
+            reflections = self._reflect_phase(reflecting, records, episode, policy)
+            for s in active:
+                record = records[id(s)]
+                if id(s) in reflections:
+                    record = dataclasses.replace(record, reflection=reflections[id(s)])
+                    s.outcome.reflections.append(reflections[id(s)])
+                s.memory.append(record)
+                if s.outcome.won[-1]:
+                    s.finished = True
+
+        return RolloutResult(
+            rows=self._rows, outcomes=[s.outcome for s in states], stats=self._final_stats(states, start)
+        )
+
+    # -- phases --------------------------------------------------------------------------------
+    def _max_turns(self, env: TextEnv) -> int:
+        return self.config.max_turns or int(env.max_turns)
+
+    def _play_phase(self, active: list[_MetaState], episode: int, policy: Policy) -> None:
+        cfg = self.config
+        for turn in range(max(self._max_turns(s.env) for s in active)):
+            playing = [s for s in active if not s.done and turn < self._max_turns(s.env)]
+            if not playing:
+                return
+            show = [
+                cfg.show_admissible
+                if cfg.show_admissible is not None
+                else bool(getattr(s.env, "show_admissible", False))
+                for s in playing
+            ]
+            legal = [
+                list(s.env.legal_actions()) if (cfg.constrained_actions or sh) else None
+                for s, sh in zip(playing, show)
+            ]
+
+            def render(s: _MetaState, memory: list[EpisodeRecord], spec, admissible) -> str:
+                return render_play_prompt(
+                    spec,
+                    s.initial_observation,
+                    memory,
+                    episode,
+                    s.moves,
+                    memory_mode=cfg.memory_mode,
+                    admissible=admissible,
+                    style=cfg.prompt_style,
+                )
+
+            renderers = [
+                (lambda memory, spec, s=s, adm=(lg if sh else None): render(s, memory, spec, adm))
+                for s, sh, lg in zip(playing, show, legal)
+            ]
+            prompts = self._fit_prompts(
+                renderers, [s.memory for s in playing], [s.env for s in playing], policy
+            )
+            allowed = [
+                tuple(f"<action>{a}</action>" for a in lg) if cfg.constrained_actions and lg else None
+                for lg in legal
+            ]
+            anchors = [play_anchor(s.env.observation, s.task.opponent) for s in playing]
+            generations = self._generate(prompts, allowed, policy)
+            for s, prompt, gen, anchor in zip(playing, prompts, generations, anchors):
+                if gen is None:  # the prompt could not be made to fit
+                    result = s.env.invalid_step("prompt longer than max_prompt_tokens")
+                else:
+                    result = s.env.step(gen.text)
+                s.moves.append(
+                    Move(result.action, result.observation, float(result.reward), bool(result.info.valid))
+                )
+                s.episode_reward += float(result.reward)
+                s.last_result = result
+                s.done = bool(result.done)
+                if result.info.valid:
+                    s.outcome.valid_actions += 1
+                else:
+                    s.outcome.invalid_actions += 1
+                self._record(
+                    s,
+                    episode,
+                    turn,
+                    "play",
+                    prompt,
+                    gen,
+                    anchor,
+                    float(result.reward),
+                    bool(result.info.valid),
+                )
+
+    def _end_episode(self, s: _MetaState) -> EpisodeRecord:
+        result = s.last_result
+        info = result.info if result is not None else None
+        won = bool(info is not None and info.won)
+        scale = s.reward_scale or float((info.extra.get("reward_scale") if info is not None else None) or 1.0)
+        out = s.outcome
+        out.rewards.append(s.episode_reward)
+        out.won.append(won)
+        out.draw.append(bool(info is not None and info.draw))
+        out.score.append(float(info.score) if info is not None else 0.0)
+        out.payoff.append(s.episode_reward / scale)
+        out.turns.append(len(s.moves))
+        return EpisodeRecord(moves=tuple(s.moves), reward=s.episode_reward, won=won, reflection=None)
+
+    def _reflect_phase(
+        self, reflecting: list[_MetaState], records: dict[int, EpisodeRecord], episode: int, policy: Policy
+    ) -> dict[int, str]:
+        if not reflecting:
+            return {}
+        cfg = self.config
+        privileged = [
+            s.env.privileged_observation() if (cfg.privileged_reflection and self._training) else None
+            for s in reflecting
+        ]
+
+        renderers = [
+            (
+                lambda memory, spec, s=s, p=p: render_reflect_prompt(
+                    spec, s.initial_observation, records[id(s)], episode, style=cfg.prompt_style, privileged=p
+                )
+            )
+            for s, p in zip(reflecting, privileged)
+        ]
+        prompts = self._fit_prompts(renderers, [[] for _ in reflecting], [s.env for s in reflecting], policy)
+        generations = self._generate(prompts, [None] * len(reflecting), policy)
+        reflections: dict[int, str] = {}
+        for s, prompt, gen in zip(reflecting, prompts, generations):
+            text, valid = extract_reflection(gen.text) if gen is not None else ("", False)
+            if not valid:
+                self._stats["missing_remark"] += 1
+            reflections[id(s)] = text
+            anchor = reflection_anchor(s.task.opponent)
+            self._record(s, episode, 0, "reflect", prompt, gen, anchor, 0.0, valid)
+        return reflections
+
+    # -- prompts and generation ----------------------------------------------------------------
+    def _fit_prompts(
+        self,
+        renderers: list[Callable[[list[EpisodeRecord], Any], str]],
+        memories: list[list[EpisodeRecord]],
+        envs: list[TextEnv],
+        policy: Policy,
+    ) -> list[str | None]:
+        """Render every prompt; shorten the over-long ones (oldest memory first, then the window).
+
+        Returns None for a prompt that cannot be made to fit ``max_prompt_tokens``.
+        """
+        limit = self.config.max_prompt_tokens
+        prompts: list[str | None] = [r(list(m), e.prompt_spec) for r, m, e in zip(renderers, memories, envs)]
+        if limit is None:
+            return prompts
+        lengths = policy.prompt_lengths(prompts)  # type: ignore[arg-type]
+        for i, length in enumerate(lengths):
+            if length <= limit:
+                continue
+            render, memory, spec = renderers[i], list(memories[i]), envs[i].prompt_spec
+            fitted = None
+            dropped = 0
+            while memory and fitted is None:
+                memory = memory[1:]
+                dropped += 1
+                candidate = render(memory, spec)
+                if policy.prompt_lengths([candidate])[0] <= limit:
+                    fitted = candidate
+            if dropped:
+                self._stats["overflow_memory_dropped"] += 1
+            window = int(spec.history_window)
+            truncated = False
+            while fitted is None and window > 0:
+                window -= 1
+                truncated = True
+                candidate = render(memory, dataclasses.replace(spec, history_window=window))
+                if policy.prompt_lengths([candidate])[0] <= limit:
+                    fitted = candidate
+            if truncated:
+                self._stats["overflow_window_truncated"] += 1
+            if fitted is None:
+                self._stats["overflow_invalid"] += 1
+            prompts[i] = fitted
+        return prompts
+
+    def _generate(
+        self, prompts: list[str | None], allowed: list[tuple[str, ...] | None], policy: Policy
+    ) -> list[Generation | None]:
+        """One batched call for every prompt that fits; None where the prompt did not fit."""
+        index = [i for i, p in enumerate(prompts) if p is not None]
+        out: list[Generation | None] = [None] * len(prompts)
+        if not index:
+            return out
+        requests = [GenerationRequest(prompt=prompts[i], allowed_completions=allowed[i]) for i in index]  # type: ignore[arg-type]
+        generations = policy.generate(requests)
+        self._stats["generate_calls"] += 1
+        if len(generations) != len(requests):
+            raise RuntimeError(
+                f"the policy returned {len(generations)} generations for {len(requests)} requests"
+            )
+        for i, gen in zip(index, generations):
+            out[i] = gen
+        return out
+
+    # -- rows ----------------------------------------------------------------------------------
+    def _record(
+        self,
+        s: _MetaState,
+        episode: int,
+        turn: int,
+        phase: str,
+        prompt: str | None,
+        gen: Generation | None,
+        anchor: str,
+        reward: float,
+        valid: bool,
+    ) -> None:
+        if self.config.anchor_mode == "local":
+            anchor = local_anchor(anchor, episode)
+        keep = self.config.keep_text
+        if gen is not None and gen.truncated:
+            self._stats["truncated_responses"] += 1
+        self._rows.append(
+            Row(
+                prompt_ids=np.asarray(gen.prompt_ids, dtype=np.int32) if gen is not None else _EMPTY_IDS,
+                response_ids=np.asarray(gen.response_ids, dtype=np.int32) if gen is not None else _EMPTY_IDS,
+                logprobs=np.asarray(gen.logprobs, dtype=np.float32) if gen is not None else _EMPTY_LOGPROBS,
+                group=s.task.group,
+                meta_episode=s.task.meta_episode,
+                episode=episode,
+                turn=turn,
+                step=s.step,
+                phase=phase,
+                anchor=anchor,
+                opponent=s.task.opponent,
+                env_reward=reward,
+                valid=valid and gen is not None,
+                truncated=bool(gen.truncated) if gen is not None else False,
+                overflow=gen is None,
+                seat=s.task.seat,
+                constraint=gen.constraint if gen is not None else None,
+                prompt_text=prompt if keep else None,
+                response_text=(gen.text if gen is not None else "") if keep else None,
+            )
+        )
+        s.step += 1
+        s.outcome.rows += 1
+
+    def _final_stats(self, states: list[_MetaState], start: float) -> dict[str, float]:
+        rows = self._rows
+        lengths = np.asarray([r.response_length for r in rows], dtype=np.float64)
+        play = [r for r in rows if r.phase == "play"]
+        stats: dict[str, float] = {
+            "meta_episodes": float(len(states)),
+            "rows": float(len(rows)),
+            "play_rows": float(len(play)),
+            "reflect_rows": float(len(rows) - len(play)),
+            "invalid_ratio": float(np.mean([not r.valid for r in rows])) if rows else 0.0,
+            "invalid_action_ratio": float(np.mean([not r.valid for r in play])) if play else 0.0,
+            "response_length_mean": float(lengths.mean()) if rows else 0.0,
+            "response_length_max": float(lengths.max()) if rows else 0.0,
+            "response_length_min": float(lengths.min()) if rows else 0.0,
+            "episodes_run_mean": float(np.mean([s.outcome.episodes_run for s in states])) if states else 0.0,
+            "rollout_seconds": time.perf_counter() - start,
+        }
+        stats.update({k: float(v) for k, v in self._stats.items()})
+        return stats

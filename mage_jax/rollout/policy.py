@@ -1,0 +1,209 @@
+"""What the meta-episode runner asks of a policy: text prompts in, sampled responses (with tokens) out.
+
+The runner speaks text (environments and prompts are text); the policy owns tokens. ``LLMPolicy``
+adapts the real tokenizer and jitted sampler; ``ScriptedPolicy`` answers from a Python function and
+is what the runner's tests (and baselines such as "random" or "best fixed") use.
+
+One ``generate`` call is one batched LLM call: the runner passes every active row of every
+environment at once (spec section 2, item 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One row to generate. ``allowed_completions``: when set, the response is constrained to be one of
+    these strings (e.g. ``("<action>PASS</action>", "<action>BET</action>")``) followed by EOS."""
+
+    prompt: str
+    allowed_completions: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One sampled response with everything the trainer needs to replay it.
+
+    ``logprobs[i]`` is the sampler's log-probability of ``response_ids[i]``. ``truncated``: the response
+    hit the token limit without an end-of-sequence token (or the prompt did not fit and nothing was
+    generated). ``constraint`` is the automaton that constrained the row (the sampler's
+    ``TokenAutomaton`` for ``LLMPolicy``), or None when the row was free.
+    """
+
+    text: str
+    prompt_ids: tuple[int, ...] | np.ndarray
+    response_ids: tuple[int, ...] | np.ndarray
+    logprobs: tuple[float, ...] | np.ndarray
+    truncated: bool = False
+    constraint: Any | None = None
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A batched text policy."""
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """One response per request, in order."""
+        ...
+
+    def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
+        """Token count of each prompt as it would be fed to the model (chat template included)."""
+        ...
+
+
+def _byte_ids(text: str) -> tuple[int, ...]:
+    return tuple(text.encode("utf-8"))
+
+
+class ScriptedPolicy:
+    """A policy from a Python function ``fn(prompt) -> response text``.
+
+    Token ids are the UTF-8 bytes of the text (or come from ``tokenizer`` when given), log-probs are
+    zero. Every ``generate`` call is kept in ``calls`` (the list of prompts of that call), so tests can
+    check lockstep batching. A constrained request whose scripted answer is not one of the allowed
+    completions gets the first allowed completion, as constrained decoding would force a legal one.
+    """
+
+    def __init__(
+        self, fn: Callable[[str], str], *, tokenizer: Any | None = None, enforce_constraints: bool = True
+    ):
+        self.fn = fn
+        self.tokenizer = tokenizer
+        self.enforce_constraints = enforce_constraints
+        self.calls: list[list[GenerationRequest]] = []
+
+    def _encode_prompt(self, prompt: str) -> tuple[int, ...]:
+        if self.tokenizer is None:
+            return _byte_ids(prompt)
+        return tuple(self.tokenizer.encode_prompts([prompt])[0])
+
+    def _encode_response(self, text: str) -> tuple[int, ...]:
+        if self.tokenizer is None:
+            return _byte_ids(text)
+        return tuple(self.tokenizer.encode(text))
+
+    def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
+        return [len(self._encode_prompt(p)) for p in prompts]
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        self.calls.append(list(requests))
+        out = []
+        for req in requests:
+            text = self.fn(req.prompt)
+            if not isinstance(text, str):
+                text = ""
+            allowed = req.allowed_completions
+            if self.enforce_constraints and allowed and text not in allowed:
+                text = allowed[0]
+            response_ids = self._encode_response(text)
+            out.append(
+                Generation(
+                    text=text,
+                    prompt_ids=self._encode_prompt(req.prompt),
+                    response_ids=response_ids,
+                    logprobs=tuple(0.0 for _ in response_ids),
+                    truncated=False,
+                    constraint=None,
+                )
+            )
+        return out
+
+
+class LLMPolicy:
+    """The real policy: tokenizer + jitted sampler + the current parameter state.
+
+    ``params_state`` is the model state the sampler reads (replace it with ``update_params`` after
+    every train step). ``rng`` is a JAX PRNG key split once per ``generate`` call. Prompts longer than
+    ``max_prompt_tokens`` are not sent to the model: they come back as an empty, truncated response
+    (an invalid turn), never an error. The runner normally shortens prompts before that happens.
+    Automata for constrained rows are built once per distinct set of allowed completions and cached.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        sampler: Any,
+        params_state: Any,
+        sampling_params: Any,
+        rng: Any,
+        max_prompt_tokens: int | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.params_state = params_state
+        self.sampling_params = sampling_params
+        self.rng = rng
+        self.max_prompt_tokens = max_prompt_tokens
+        self._automata: dict[tuple[str, ...], Any] = {}
+        self._prompt_cache: dict[str, list[int]] = {}
+
+    def update_params(self, params_state: Any) -> None:
+        self.params_state = params_state
+
+    # -- tokens --------------------------------------------------------------------------------
+    def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
+        if missing:
+            for p, ids in zip(missing, self.tokenizer.encode_prompts(missing)):
+                self._prompt_cache[p] = list(ids)
+        return [self._prompt_cache[p] for p in prompts]
+
+    def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
+        return [len(ids) for ids in self._encode(prompts)]
+
+    def automaton(self, completions: tuple[str, ...]) -> Any:
+        """The sampler's automaton that accepts exactly ``completions`` (each followed by EOS)."""
+        if completions not in self._automata:
+            from mage_jax.sampling import automaton_from_completions
+
+            self._automata[completions] = automaton_from_completions(self.tokenizer, list(completions))
+        return self._automata[completions]
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        import jax
+
+        if not requests:
+            return []
+        prompt_ids = self._encode([r.prompt for r in requests])
+        self._prompt_cache.clear()  # prompts change every turn; keep the cache to one call's worth
+        limit = self.max_prompt_tokens
+        fits = [i for i, ids in enumerate(prompt_ids) if limit is None or len(ids) <= limit]
+        results: list[Generation | None] = [None] * len(requests)
+        for i in range(len(requests)):
+            if limit is not None and len(prompt_ids[i]) > limit:
+                results[i] = Generation(
+                    text="", prompt_ids=tuple(prompt_ids[i]), response_ids=(), logprobs=(), truncated=True
+                )
+        if fits:
+            constraints = [
+                self.automaton(requests[i].allowed_completions) if requests[i].allowed_completions else None
+                for i in fits
+            ]
+            any_constraint = any(c is not None for c in constraints)
+            self.rng, key = jax.random.split(self.rng)
+            out = self.sampler.generate(
+                self.params_state,
+                [prompt_ids[i] for i in fits],
+                self.sampling_params,
+                key,
+                constraints=constraints if any_constraint else None,
+            )
+            texts = self.tokenizer.decode_batch([list(map(int, t)) for t in out.tokens])
+            for j, i in enumerate(fits):
+                tokens = np.asarray(out.tokens[j], dtype=np.int32)
+                results[i] = Generation(
+                    text=texts[j],
+                    prompt_ids=np.asarray(prompt_ids[i], dtype=np.int32),
+                    response_ids=tokens,
+                    logprobs=np.asarray(out.logprobs[j], dtype=np.float32),
+                    truncated=not bool(out.finished[j]),
+                    constraint=constraints[j],
+                )
+        return results  # type: ignore[return-value]

@@ -1,0 +1,271 @@
+"""Task sampling: which task instances, opponents and seats the meta-episodes of an iteration get.
+
+Spec sections 2 and 6. One training iteration plays ``B`` task instances, each replicated ``G`` times
+into a *group* of meta-episodes that share the seed (same deal / board / puzzle / goal), the opponent
+and the seat, so that the group mean is a baseline for exactly one situation.
+
+Opponent assignment:
+
+- ``stationary`` (MAGE default): group ``b`` meets the same opponent in every iteration of the run.
+  Groups are assigned to opponents in contiguous blocks whose sizes follow the pool ratios
+  (largest-remainder rounding), e.g. B = 16 with ratios 0.3 / 0.3 / 0.4 gives blocks 5 / 5 / 6.
+- ``mixed`` (the non-stationary grouping ablation): the ``B·G`` meta-episodes of an iteration get
+  opponents in the pool ratio (largest-remainder rounding over ``B·G``) in a random order, so the
+  copies of one group meet different opponents.
+
+Seats (two-player games): ``first`` (seat 0), ``second`` (seat 1) or ``mixed``. A seat is part of
+the task instance, so the ``G`` copies of a group always share it, in both grouping modes. In
+``mixed`` mode, half of the groups of every opponent block (stationary) or of the iteration (mixed)
+sit second, in an order drawn afresh each iteration; with an odd count the extra group's seat is
+drawn at random. Single-agent tasks (``opponents=None``) get seat ``None``.
+
+Seeds: training task seeds are even, evaluation seeds odd, so the two streams never overlap for any
+configuration. Everything is a pure function of ``(seed, iteration)`` (training) or of
+``(eval_seed, n)`` (evaluation), which makes checkpoint/resume exact and lets every evaluation in
+a run, and runs with different training seeds, use the same held-out instances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+GROUPINGS = ("stationary", "mixed")
+SEAT_MODES = ("first", "second", "mixed")
+_SEED_SPACE = 2**30  # task seeds are 2k (train) or 2k + 1 (eval) with 0 <= k < 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One meta-episode to play: a task instance (seed), its opponent and seat, and its place in the batch.
+
+    ``group`` is the index of the group (0..B-1) and ``meta_episode`` the index of the meta-episode
+    (0..B·G-1) inside one ``sample_train`` / ``sample_eval`` result.
+    """
+
+    seed: int
+    opponent: str | None
+    seat: int | None
+    group: int
+    meta_episode: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSamplerConfig:
+    """Shape of the task batch of one iteration (spec section 2) and the opponent pool (section 6).
+
+    ``opponents`` maps opponent names to pool ratios (normalised here; need not sum to one), or is
+    None for single-agent tasks. ``eval_seed`` fixes the held-out instances independently of the
+    training ``seed``.
+    """
+
+    num_tasks: int = 16
+    group_size: int = 8
+    opponents: Mapping[str, float] | None = None
+    grouping: str = "stationary"
+    seats: str = "first"
+    seed: int = 0
+    eval_seed: int = 1_000_003
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_tasks, int) or self.num_tasks < 1:
+            raise ValueError(f"num_tasks must be a positive integer, got {self.num_tasks!r}")
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}")
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"grouping must be one of {GROUPINGS}, got {self.grouping!r}")
+        if self.seats not in SEAT_MODES:
+            raise ValueError(f"seats must be one of {SEAT_MODES}, got {self.seats!r}")
+        if self.opponents is not None:
+            if len(self.opponents) == 0:
+                raise ValueError(
+                    "opponents must name at least one opponent (or be None for single-agent tasks)"
+                )
+            for name, ratio in self.opponents.items():
+                if not isinstance(name, str) or not name:
+                    raise ValueError(f"opponent names must be non-empty strings, got {name!r}")
+                if not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio <= 0:
+                    raise ValueError(f"opponent {name!r} needs a positive pool ratio, got {ratio!r}")
+            # Freeze the mapping so the config stays hashable-in-spirit and immune to caller edits.
+            object.__setattr__(self, "opponents", dict(self.opponents))
+        elif self.seats != "first":
+            raise ValueError("seats other than 'first' need an opponent pool (two-player games)")
+
+    @property
+    def batch_size(self) -> int:
+        """B·G: meta-episodes per training iteration."""
+        return self.num_tasks * self.group_size
+
+
+def largest_remainder_counts(ratios: Sequence[float], total: int) -> list[int]:
+    """Integer counts summing to ``total`` that follow ``ratios`` as closely as possible.
+
+    Ties in the remainders go to the earlier entry, so the result is deterministic.
+    """
+    weights = np.asarray(ratios, dtype=np.float64)
+    if weights.ndim != 1 or weights.size == 0 or np.any(weights <= 0):
+        raise ValueError(f"ratios must be a non-empty list of positive numbers, got {list(ratios)!r}")
+    exact = weights / weights.sum() * total
+    counts = np.floor(exact).astype(int)
+    order = sorted(range(len(counts)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[: total - int(counts.sum())]:
+        counts[i] += 1
+    return counts.tolist()
+
+
+def _balanced_seats(count: int, rng: np.random.Generator) -> list[int]:
+    """``count`` seats, half 0 and half 1 in random order; an odd extra seat is drawn at random."""
+    seats = [0] * (count // 2) + [1] * (count // 2)
+    if count % 2:
+        seats.append(int(rng.integers(2)))
+    return [int(s) for s in rng.permutation(seats)]
+
+
+class TaskSampler:
+    """Deterministic task batches for training iterations and held-out evaluation.
+
+    ``sample_train(i)`` depends only on the config and ``i``; calling it twice gives the same tasks.
+    """
+
+    def __init__(self, config: TaskSamplerConfig):
+        self.config = config
+
+    # -- opponents -----------------------------------------------------------------------------
+    @property
+    def opponent_names(self) -> list[str]:
+        return list(self.config.opponents) if self.config.opponents else []
+
+    def group_opponents(self) -> list[str | None]:
+        """The stationary opponent of each of the B groups (fixed for the whole run)."""
+        cfg = self.config
+        if not cfg.opponents:
+            return [None] * cfg.num_tasks
+        counts = largest_remainder_counts(list(cfg.opponents.values()), cfg.num_tasks)
+        out: list[str | None] = []
+        for name, count in zip(cfg.opponents, counts):
+            out.extend([name] * count)
+        return out
+
+    def _seat_fixed(self) -> int | None:
+        cfg = self.config
+        if not cfg.opponents:
+            return None
+        return 0 if cfg.seats == "first" else 1 if cfg.seats == "second" else None
+
+    # -- training ------------------------------------------------------------------------------
+    def sample_train(self, iteration: int) -> list[Task]:
+        """The B·G tasks of training iteration ``iteration`` (meta-episodes of a group are consecutive)."""
+        if not isinstance(iteration, (int, np.integer)) or iteration < 0:
+            raise ValueError(f"iteration must be a non-negative integer, got {iteration!r}")
+        cfg = self.config
+        rng = np.random.default_rng([cfg.seed, int(iteration), 0x7A5C])
+        ks = rng.choice(_SEED_SPACE, size=cfg.num_tasks, replace=False)
+        seeds = [2 * int(k) for k in ks]  # training seeds are even
+
+        B, G = cfg.num_tasks, cfg.group_size
+        fixed_seat = self._seat_fixed()
+        # Per-meta-episode opponent and per-group seat.
+        if cfg.grouping == "stationary":
+            group_opp = self.group_opponents()
+            opponents: list[str | None] = [group_opp[b] for b in range(B) for _ in range(G)]
+            if fixed_seat is not None or not cfg.opponents:
+                group_seats = [fixed_seat] * B
+            else:
+                # Balance seats inside each opponent block so every opponent is met from both seats.
+                group_seats: list[int | None] = [None] * B
+                for name in cfg.opponents:
+                    members = [b for b in range(B) if group_opp[b] == name]
+                    for b, seat in zip(members, _balanced_seats(len(members), rng)):
+                        group_seats[b] = seat
+        else:  # mixed opponents inside a group
+            if cfg.opponents:
+                counts = largest_remainder_counts(list(cfg.opponents.values()), B * G)
+                pool = [name for name, c in zip(cfg.opponents, counts) for _ in range(c)]
+                opponents = [pool[i] for i in rng.permutation(len(pool))]
+            else:
+                opponents = [None] * (B * G)
+            group_seats = (
+                [fixed_seat] * B if fixed_seat is not None or not cfg.opponents else _balanced_seats(B, rng)
+            )
+
+        return [
+            Task(
+                seed=seeds[b],
+                opponent=opponents[b * G + g],
+                seat=group_seats[b],
+                group=b,
+                meta_episode=b * G + g,
+            )
+            for b in range(B)
+            for g in range(G)
+        ]
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def eval_seeds(self, n: int) -> list[int]:
+        """The ``n`` held-out task seeds (odd; disjoint from every training seed)."""
+        if not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"the number of evaluation tasks must be a positive integer, got {n!r}")
+        rng = np.random.default_rng([self.config.eval_seed, 0xE7A1])
+        ks = rng.choice(_SEED_SPACE, size=int(n), replace=False)
+        return [2 * int(k) + 1 for k in ks]
+
+    def sample_eval(self, n: int, opponent: str | None = None, seat: int | str | None = None) -> list[Task]:
+        """``n`` held-out tasks with group size 1 (each meta-episode is its own group).
+
+        ``opponent``: a name (may be outside the training pool, e.g. a held-out CFR opponent), or None
+        to spread the tasks over the training pool by its ratios (None for single-agent tasks).
+        ``seat``: 0, 1, ``"first"``, ``"second"``, ``"mixed"`` (alternating), or None for the
+        training seat mode. The same ``n`` gives the same seeds whatever the opponent and seat, so
+        results against different opponents are measured on the same deals.
+        """
+        cfg = self.config
+        seeds = self.eval_seeds(n)
+        if opponent is not None:
+            opponents: list[str | None] = [opponent] * n
+        elif cfg.opponents:
+            counts = largest_remainder_counts(list(cfg.opponents.values()), n)
+            opponents = [name for name, c in zip(cfg.opponents, counts) for _ in range(c)]
+        else:
+            opponents = [None] * n
+        two_player = opponent is not None or bool(cfg.opponents)
+        mode = cfg.seats if seat is None else seat
+        if not two_player:
+            seats: list[int | None] = [None] * n
+        elif mode in (0, "first"):
+            seats = [0] * n
+        elif mode in (1, "second"):
+            seats = [1] * n
+        elif mode == "mixed":
+            seats = [i % 2 for i in range(n)]
+        else:
+            raise ValueError(f"seat must be 0, 1, 'first', 'second', 'mixed' or None, got {seat!r}")
+        return [
+            Task(seed=seeds[i], opponent=opponents[i], seat=seats[i], group=i, meta_episode=i)
+            for i in range(n)
+        ]
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Sampling is a pure function of the config and the iteration; the state records the config."""
+        cfg = self.config
+        return {
+            "seed": cfg.seed,
+            "eval_seed": cfg.eval_seed,
+            "num_tasks": cfg.num_tasks,
+            "group_size": cfg.group_size,
+            "grouping": cfg.grouping,
+            "seats": cfg.seats,
+            "opponents": dict(cfg.opponents) if cfg.opponents else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Check that a checkpoint was written with the same task stream (resuming another is an error)."""
+        mine = self.state_dict()
+        diffs = [k for k in mine if k in state and state[k] != mine[k]]
+        if diffs:
+            detail = ", ".join(f"{k}: checkpoint {state[k]!r} vs config {mine[k]!r}" for k in diffs)
+            raise ValueError(f"the checkpoint's task sampler differs from this config ({detail})")
