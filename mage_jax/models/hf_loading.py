@@ -1,0 +1,253 @@
+"""Local Hugging Face checkpoint folder <-> our parameter state, through safetensors only.
+
+Loading reads `config.json` and one or many `*.safetensors` files (sharded checkpoints through
+`model.safetensors.index.json`). Each parameter is read lazily slice by slice with
+`safetensors.safe_open(..., framework="numpy")` inside `jax.make_array_from_callback`, so every
+device receives only its own shard and no host or device ever holds a second full copy. Pickle
+files and remote code are never touched.
+
+Hugging Face stores linear weights as [out, in]; we store kernels as [in, out], so those are
+transposed on the way in and out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+from safetensors import safe_open
+
+from mage_jax.models.config import ModelConfig
+from mage_jax.models.sharding import param_shardings, path_to_str
+from mage_jax.models.transformer import Transformer
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Buffers some exporters leave in checkpoints; they are recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_name_map(config: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """Our parameter path -> (Hugging Face tensor name, stored transposed?)."""
+    names: dict[str, tuple[str, bool]] = {"embed/embedding": ("model.embed_tokens.weight", False)}
+    for i in range(config.num_layers):
+        ours, theirs = f"layers/{i}", f"model.layers.{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names[f"{ours}/attn/{proj}/kernel"] = (f"{theirs}.self_attn.{proj}.weight", True)
+        if config.qkv_bias:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                names[f"{ours}/attn/{proj}/bias"] = (f"{theirs}.self_attn.{proj}.bias", False)
+        if config.qk_norm:
+            names[f"{ours}/attn/q_norm/scale"] = (f"{theirs}.self_attn.q_norm.weight", False)
+            names[f"{ours}/attn/k_norm/scale"] = (f"{theirs}.self_attn.k_norm.weight", False)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[f"{ours}/mlp/{proj}/kernel"] = (f"{theirs}.mlp.{proj}.weight", True)
+        names[f"{ours}/input_norm/scale"] = (f"{theirs}.input_layernorm.weight", False)
+        names[f"{ours}/post_attn_norm/scale"] = (f"{theirs}.post_attention_layernorm.weight", False)
+    names["final_norm/scale"] = ("model.norm.weight", False)
+    if not config.tie_word_embeddings:
+        names["lm_head/kernel"] = ("lm_head.weight", True)
+    return names
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file, from the index or by listing the file(s)."""
+    index_path = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index_path} is not a valid safetensors index: {e!r}") from None
+        files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not os.path.isfile(file):
+                raise ValueError(f"{index_path} refers to missing file {os.path.basename(file)!r}")
+        return files
+    shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not shards:
+        raise ValueError(f"no *.safetensors files in {path!r} (pickled .bin checkpoints are not loaded)")
+    files: dict[str, str] = {}
+    for shard in shards:
+        with safe_open(os.path.join(path, shard), framework="numpy") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                files[name] = os.path.join(path, shard)
+    return files
+
+
+def _check_names(expected: Mapping[str, str], present: set[str], config: ModelConfig, path: str) -> None:
+    wanted = set(expected.values())
+    missing = sorted(wanted - present)
+    if missing:
+        raise ValueError(
+            f"checkpoint {path!r} is missing tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    allowed = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = sorted(
+        n for n in present - wanted - allowed if not n.endswith(_IGNORED_SUFFIXES)
+    )
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {path!r} has unexpected tensor {unexpected[0]!r}"
+            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+            + f" for a {config.architecture} model of {config.num_layers} layers"
+        )
+
+
+def load_hf_params(
+    path: str | os.PathLike,
+    config: ModelConfig | None = None,
+    *,
+    dtype: Any = None,
+    shardings: Any = None,
+    mesh: Mesh | None = None,
+) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+    """Load a local Hugging Face checkpoint folder -> (config, graphdef, state).
+
+    `config` defaults to the folder's `config.json` (pass one to change `param_dtype`, `dtype` or
+    `remat`); `dtype` overrides the parameter dtype. Placement: explicit `shardings` (a pytree
+    matching the state), else the partition rules on `mesh`, else the default device.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint folder {path!r} does not exist")
+    hf_config = ModelConfig.from_hf_dir(path)
+    if config is None:
+        config = hf_config
+    if dtype is not None:
+        config = dataclasses.replace(config, param_dtype=dtype)
+    param_dtype = config.jnp_param_dtype
+
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    if shardings is None and mesh is not None:
+        shardings = param_shardings(abstract_state, mesh)
+    if shardings is None:
+        device = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, abstract_state)
+
+    names = hf_name_map(config)
+    files = _tensor_files(path)
+    _check_names({k: v[0] for k, v in names.items()}, set(files), config, path)
+
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def reader(name: str):
+            file = files[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
+            return handles[file].get_slice(name)
+
+        def load(key_path, leaf, sharding):
+            ours = path_to_str(key_path)
+            if ours not in names:
+                raise ValueError(f"no Hugging Face tensor is mapped to parameter {ours!r}")
+            name, transposed = names[ours]
+            tensor = reader(name)
+            shape = tuple(tensor.get_shape())
+            want = tuple(leaf.shape[::-1]) if transposed else tuple(leaf.shape)
+            if shape != want:
+                raise ValueError(f"tensor {name!r} has shape {shape}, expected {want}")
+            return jax.make_array_from_callback(
+                tuple(leaf.shape), sharding, _slice_reader(tensor, transposed, param_dtype)
+            )
+
+        state = jax.tree_util.tree_map_with_path(load, abstract_state, shardings)
+    return config, graphdef, state
+
+
+def _slice_reader(tensor: Any, transposed: bool, dtype: Any) -> Callable[[Any], np.ndarray]:
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        if transposed:
+            block = tensor[index[1], index[0]].T
+        else:
+            block = tensor[index]
+        return np.ascontiguousarray(block.astype(dtype))
+
+    return read
+
+
+def load_hf_model(path: str | os.PathLike, config: ModelConfig | None = None, **kwargs: Any) -> Transformer:
+    """Convenience: the loaded state merged back into a `Transformer` module."""
+    _, graphdef, state = load_hf_params(path, config, **kwargs)
+    return nnx.merge(graphdef, state)
+
+
+# ---------------------------------------------------------------------------- export
+def export_hf(
+    state: Any,
+    config: ModelConfig,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 4 << 30,
+) -> None:
+    """Write `config.json` + safetensors (sharded with an index above `max_shard_bytes`) that
+    `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads as the same model.
+
+    `state` is a parameter state or a `Transformer`. In a multi-host run every process must call
+    this (arrays are gathered); only process 0 writes.
+    """
+    from safetensors.numpy import save_file
+
+    if isinstance(state, Transformer):
+        state = nnx.state(state, nnx.Param)
+    out_dir = os.fspath(out_dir)
+    names = hf_name_map(config)
+    tensors: dict[str, np.ndarray] = {}
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    for key_path, leaf in leaves:
+        ours = path_to_str(key_path)
+        if ours not in names:
+            raise ValueError(f"parameter {ours!r} has no Hugging Face name for a {config.architecture} model")
+        name, transposed = names[ours]
+        array = _to_host(leaf)
+        tensors[name] = np.ascontiguousarray(array.T if transposed else array)
+    missing = sorted({n for n, _ in names.values()} - set(tensors))
+    if missing:
+        raise ValueError(f"state lacks the parameter for {missing[0]!r}")
+    if jax.process_index() != 0:
+        return
+
+    os.makedirs(out_dir, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, file), metadata=metadata)
+            weight_map.update({name: file for name in shard})
+        total = sum(t.nbytes for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config.to_hf_config(), f, indent=2)
+
+
+def _to_host(leaf: Any) -> np.ndarray:
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(jax.device_get(leaf))

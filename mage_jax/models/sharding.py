@@ -1,0 +1,190 @@
+"""Device mesh, partition rules and shardings for parameters, optimizer state, batches and KV caches.
+
+One mesh with axes ('data', 'fsdp', 'tensor') serves every scale: a laptop is (1, 1, 1), a TPU
+pod slice is e.g. (1, 32, 4). Batch rows are split over ('data', 'fsdp'); weight matrices are split
+over 'fsdp' on one dimension (ZeRO-3 style, gathered by XLA just in time) and over 'tensor' on the
+other (Megatron style: q/k/v/gate/up by output, o/down by input, embedding and head by vocabulary).
+
+Rules are regular expressions on the '/'-joined parameter path (`layers/3/attn/q_proj/kernel`) and
+are searched, not anchored at the start, so the same rules shard optimizer state whose leaves
+mirror the parameters under a prefix (`0/mu/layers/3/attn/q_proj/kernel`). A dimension that the
+mesh axis does not divide is replicated instead, so odd sizes (tiny vocabularies) still work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from mage_jax.models.config import ModelConfig
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# (path regex, mesh axis per array dimension). Order matters: the first match wins.
+PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"(^|/)embed/embedding$", ("tensor", "fsdp")),
+    (r"(^|/)attn/(q_proj|k_proj|v_proj)/kernel$", ("fsdp", "tensor")),
+    (r"(^|/)attn/(q_proj|k_proj|v_proj)/bias$", ("tensor",)),
+    (r"(^|/)attn/o_proj/kernel$", ("tensor", "fsdp")),
+    (r"(^|/)mlp/(gate_proj|up_proj)/kernel$", ("fsdp", "tensor")),
+    (r"(^|/)mlp/down_proj/kernel$", ("tensor", "fsdp")),
+    (r"(^|/)lm_head/kernel$", ("fsdp", "tensor")),
+    (r"(^|/)(input_norm|post_attn_norm|final_norm|q_norm|k_norm)/scale$", (None,)),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes; at most one may be -1, meaning "all remaining devices"."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def resolve(self, num_devices: int) -> tuple[int, int, int]:
+        sizes = [self.data, self.fsdp, self.tensor]
+        if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+            raise ValueError(f"mesh sizes must be positive (one may be -1), got {self}")
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if num_devices % known:
+                raise ValueError(f"{num_devices} devices cannot be split into mesh {self}")
+            sizes[sizes.index(-1)] = num_devices // known
+        if math.prod(sizes) != num_devices:
+            raise ValueError(
+                f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs {math.prod(sizes)} "
+                f"devices, found {num_devices}"
+            )
+        return sizes[0], sizes[1], sizes[2]
+
+
+def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ('data', 'fsdp', 'tensor') mesh over all (or the given) devices."""
+    cfg = cfg or MeshConfig()
+    devices = list(jax.devices() if devices is None else devices)
+    shape = cfg.resolve(len(devices))
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+# ---------------------------------------------------------------------------- paths and specs
+def path_to_str(path: Sequence[Any]) -> str:
+    """A pytree key path as 'a/b/0/c' (the trailing Variable '.value' is dropped)."""
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(key.key))
+        else:
+            parts.append(str(key))
+    if parts and parts[-1] in ("value", "raw_value"):
+        parts.pop()
+    return "/".join(parts)
+
+
+def _fit(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+    """Drop mesh axes that do not divide their dimension (or are trivial)."""
+    spec = []
+    for axis, dim in zip(axes, shape):
+        if axis is None or mesh.shape[axis] == 1 or dim % mesh.shape[axis]:
+            spec.append(None)
+        else:
+            spec.append(axis)
+    return PartitionSpec(*spec)
+
+
+def partition_spec(path: str, shape: Sequence[int], mesh: Mesh, *, strict: bool = True) -> PartitionSpec:
+    """PartitionSpec of one array from the rules; unknown paths raise when `strict`, else replicate."""
+    if len(shape) == 0:
+        return PartitionSpec()
+    for pattern, axes in PARTITION_RULES:
+        if re.search(pattern, path):
+            if len(axes) != len(shape):  # e.g. factored optimizer statistics: keep them whole
+                return PartitionSpec()
+            return _fit(axes, shape, mesh)
+    if strict:
+        raise ValueError(f"no partition rule for parameter {path!r} with shape {tuple(shape)}")
+    return PartitionSpec()
+
+
+def tree_shardings(tree: Any, mesh: Mesh, *, strict: bool = True) -> Any:
+    """NamedShardings for every array leaf of `tree` (an nnx.State, a dict, an optax state)."""
+
+    def one(path, leaf):
+        shape = getattr(leaf, "shape", ())
+        return NamedSharding(mesh, partition_spec(path_to_str(path), shape, mesh, strict=strict))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def param_shardings(state: Any, mesh: Mesh) -> Any:
+    """Shardings for a parameter state; every parameter must match a rule."""
+    return tree_shardings(state, mesh, strict=True)
+
+
+def opt_state_shardings(opt_state: Any, mesh: Mesh) -> Any:
+    """Shardings for an optax state: leaves mirroring parameters follow the parameter rules,
+    everything else (step counts, scalars, unknown statistics) is replicated."""
+    return tree_shardings(opt_state, mesh, strict=False)
+
+
+def shard_state(state: Any, mesh: Mesh) -> Any:
+    """Place a parameter state on the mesh according to the rules."""
+    return jax.device_put(state, param_shardings(state, mesh))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows (leading dimension) split over ('data', 'fsdp'); other dimensions replicated."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def cache_sharding(config: ModelConfig, mesh: Mesh, batch: int) -> NamedSharding:
+    """KV cache [L,B,S,Hkv,D]: rows over ('data','fsdp'), kv heads over 'tensor' when they divide."""
+    rows = BATCH_AXES if batch % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else None
+    heads = "tensor" if config.num_kv_heads % mesh.shape["tensor"] == 0 else None
+    return NamedSharding(mesh, PartitionSpec(None, rows, None, heads, None))
+
+
+def init_sharded(config: ModelConfig, mesh: Mesh, seed: int = 0) -> tuple[nnx.GraphDef, Any]:
+    """Initialise a fresh model directly into its shardings (no full copy on one device)."""
+    from mage_jax.models.transformer import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed)))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = param_shardings(abstract_state, mesh)
+
+    def init():
+        return nnx.split(Transformer(config, rngs=nnx.Rngs(seed)))[1]
+
+    state = jax.jit(init, out_shardings=shardings)()
+    return graphdef, state
+
+
+def initialize_distributed(enabled: bool, **kwargs: Any) -> bool:
+    """Multi-host start-up (`jax.distributed.initialize`) behind a flag; returns whether it ran.
+
+    On Cloud TPU and SLURM the coordinator is discovered automatically; elsewhere pass
+    `coordinator_address`, `num_processes` and `process_id`. Must run before any other JAX call.
+    """
+    if not enabled:
+        return False
+    if jax.distributed.is_initialized():
+        return True
+    jax.distributed.initialize(**kwargs)
+    return True
