@@ -18,9 +18,10 @@ the oldest memory entries first, then shortens the window W of shown moves; each
 the stats. A prompt that still does not fit is not sent to the model: the row is recorded as an
 invalid turn (empty response, ``overflow=True``; a play turn is used up, a reflection is empty).
 
-Payoff: an episode's payoff is its reward divided by the environment's reward scale, taken from the
-environment attribute ``reward_scale`` (Kuhn Poker: 5, so payoff is in chips; Tic-Tac-Toe: 10),
-then from ``StepInfo.extra["reward_scale"]``, else 1.
+Payoff: an episode's payoff is its reward in the game's own unit (Kuhn Poker: chips, reward / 5).
+It is R_n / ``env.reward_scale`` when the environment has that attribute, else the numeric
+``StepInfo.extra["payoff"]`` of the episode's last step (Kuhn Poker reports its chips there), else
+R_n / ``extra["reward_scale"]``, else R_n itself (Tic-Tac-Toe, Sokoban: payoff = reward).
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class RunnerConfig:
     play rows are decoded under the constraint ``<action>X</action>`` for X in ``env.legal_actions()``.
     ``privileged_reflection``: training reflect prompts show ``env.privileged_observation()`` (Kuhn's
     both-cards quirk; never at evaluation). ``show_admissible``: list the legal actions in play prompts
-    (None: the environment attribute ``show_admissible``, default False). ``keep_text``: rows keep
-    their prompt and response text (debugging; costs memory).
+    (None: the environment attribute ``show_admissible``, default False). ``max_play_tokens`` /
+    ``max_reflection_tokens``: per-row generation limits passed to the policy (None: its default).
+    ``keep_text``: rows keep their prompt and response text (debugging; costs memory).
     """
 
     num_episodes: int = 3
@@ -74,6 +76,8 @@ class RunnerConfig:
     max_prompt_tokens: int | None = None
     max_turns: int | None = None
     show_admissible: bool | None = None
+    max_play_tokens: int | None = None
+    max_reflection_tokens: int | None = None
     keep_text: bool = False
 
     def __post_init__(self) -> None:
@@ -85,11 +89,15 @@ class RunnerConfig:
             raise ValueError(f"prompt_style must be one of {STYLES}, got {self.prompt_style!r}")
         if self.anchor_mode not in ANCHOR_MODES:
             raise ValueError(f"anchor_mode must be one of {ANCHOR_MODES}, got {self.anchor_mode!r}")
-        if not self.reflect and self.memory_mode != "history_only":
+        if not self.reflect and self.memory_mode != "history_only" and self.num_episodes > 1:
             raise ValueError(
                 f"reflect=False writes no reflections, so memory_mode must be 'history_only' "
                 f"(got {self.memory_mode!r})"
             )
+        for name in ("max_play_tokens", "max_reflection_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if self.max_prompt_tokens is not None and (
             not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1
         ):
@@ -288,7 +296,7 @@ class MetaEpisodeRunner:
                 for lg in legal
             ]
             anchors = [play_anchor(s.env.observation, s.task.opponent) for s in playing]
-            generations = self._generate(prompts, allowed, policy)
+            generations = self._generate(prompts, allowed, cfg.max_play_tokens, policy)
             for s, prompt, gen, anchor in zip(playing, prompts, generations, anchors):
                 if gen is None:  # the prompt could not be made to fit
                     result = s.env.invalid_step("prompt longer than max_prompt_tokens")
@@ -320,15 +328,26 @@ class MetaEpisodeRunner:
         result = s.last_result
         info = result.info if result is not None else None
         won = bool(info is not None and info.won)
-        scale = s.reward_scale or float((info.extra.get("reward_scale") if info is not None else None) or 1.0)
         out = s.outcome
         out.rewards.append(s.episode_reward)
         out.won.append(won)
         out.draw.append(bool(info is not None and info.draw))
         out.score.append(float(info.score) if info is not None else 0.0)
-        out.payoff.append(s.episode_reward / scale)
+        out.payoff.append(self._payoff(s, info))
         out.turns.append(len(s.moves))
         return EpisodeRecord(moves=tuple(s.moves), reward=s.episode_reward, won=won, reflection=None)
+
+    @staticmethod
+    def _payoff(s: _MetaState, info: Any) -> float:
+        """R_n in the game's own unit: reward / ``env.reward_scale``; else the last step's
+        ``extra["payoff"]`` (Kuhn Poker reports chips there); else ``extra["reward_scale"]``; else R_n."""
+        if s.reward_scale:
+            return s.episode_reward / s.reward_scale
+        extra = info.extra if info is not None else {}
+        if isinstance(extra.get("payoff"), (int, float)) and not isinstance(extra.get("payoff"), bool):
+            return float(extra["payoff"])
+        scale = extra.get("reward_scale")
+        return s.episode_reward / float(scale) if scale else s.episode_reward
 
     def _reflect_phase(
         self, reflecting: list[_MetaState], records: dict[int, EpisodeRecord], episode: int, policy: Policy
@@ -350,7 +369,7 @@ class MetaEpisodeRunner:
             for s, p in zip(reflecting, privileged)
         ]
         prompts = self._fit_prompts(renderers, [[] for _ in reflecting], [s.env for s in reflecting], policy)
-        generations = self._generate(prompts, [None] * len(reflecting), policy)
+        generations = self._generate(prompts, [None] * len(reflecting), cfg.max_reflection_tokens, policy)
         reflections: dict[int, str] = {}
         for s, prompt, gen in zip(reflecting, prompts, generations):
             text, valid = extract_reflection(gen.text) if gen is not None else ("", False)
@@ -408,14 +427,24 @@ class MetaEpisodeRunner:
         return prompts
 
     def _generate(
-        self, prompts: list[str | None], allowed: list[tuple[str, ...] | None], policy: Policy
+        self,
+        prompts: list[str | None],
+        allowed: list[tuple[str, ...] | None],
+        max_new_tokens: int | None,
+        policy: Policy,
     ) -> list[Generation | None]:
-        """One batched call for every prompt that fits; None where the prompt did not fit."""
+        """One batched call for every prompt that fits; None where the prompt did not fit (or the
+        policy skipped it)."""
         index = [i for i, p in enumerate(prompts) if p is not None]
         out: list[Generation | None] = [None] * len(prompts)
         if not index:
             return out
-        requests = [GenerationRequest(prompt=prompts[i], allowed_completions=allowed[i]) for i in index]  # type: ignore[arg-type]
+        requests = [
+            GenerationRequest(
+                prompt=prompts[i], allowed_completions=allowed[i], max_new_tokens=max_new_tokens
+            )
+            for i in index
+        ]
         generations = policy.generate(requests)
         self._stats["generate_calls"] += 1
         if len(generations) != len(requests):
@@ -423,6 +452,9 @@ class MetaEpisodeRunner:
                 f"the policy returned {len(generations)} generations for {len(requests)} requests"
             )
         for i, gen in zip(index, generations):
+            if getattr(gen, "skipped", False):
+                self._stats["overflow_invalid"] += 1
+                continue
             out[i] = gen
         return out
 

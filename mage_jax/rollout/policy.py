@@ -20,10 +20,13 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     """One row to generate. ``allowed_completions``: when set, the response is constrained to be one of
-    these strings (e.g. ``("<action>PASS</action>", "<action>BET</action>")``) followed by EOS."""
+    these strings (e.g. ``("<action>PASS</action>", "<action>BET</action>")``) followed by EOS.
+    ``max_new_tokens``: a per-row generation limit (play and reflect rows may differ); None: the
+    policy's default."""
 
     prompt: str
     allowed_completions: tuple[str, ...] | None = None
+    max_new_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,9 +34,10 @@ class Generation:
     """One sampled response with everything the trainer needs to replay it.
 
     ``logprobs[i]`` is the sampler's log-probability of ``response_ids[i]``. ``truncated``: the response
-    hit the token limit without an end-of-sequence token (or the prompt did not fit and nothing was
-    generated). ``constraint`` is the automaton that constrained the row (the sampler's
-    ``TokenAutomaton`` for ``LLMPolicy``), or None when the row was free.
+    hit the token limit without an end-of-sequence token. ``skipped``: the prompt could not be fed to
+    the model (too long or empty) and nothing was generated; the runner records an invalid row.
+    ``constraint`` is the automaton that constrained the row (the sampler's ``TokenAutomaton`` for
+    ``LLMPolicy``), or None when the row was free.
     """
 
     text: str
@@ -42,6 +46,7 @@ class Generation:
     logprobs: tuple[float, ...] | np.ndarray
     truncated: bool = False
     constraint: Any | None = None
+    skipped: bool = False
 
 
 @runtime_checkable
@@ -64,9 +69,10 @@ def _byte_ids(text: str) -> tuple[int, ...]:
 class ScriptedPolicy:
     """A policy from a Python function ``fn(prompt) -> response text``.
 
-    Token ids are the UTF-8 bytes of the text (or come from ``tokenizer`` when given), log-probs are
-    zero. Every ``generate`` call is kept in ``calls`` (the list of prompts of that call), so tests can
-    check lockstep batching. A constrained request whose scripted answer is not one of the allowed
+    Token ids are the UTF-8 bytes of the text, or come from ``tokenizer`` when given (prompts with
+    its chat template, responses followed by its first EOS id, as a sampled response would be);
+    log-probs are zero. Every ``generate`` call is kept in ``calls`` (the requests of that call), so
+    tests can check lockstep batching. A constrained request whose scripted answer is not one of the allowed
     completions gets the first allowed completion, as constrained decoding would force a legal one.
     """
 
@@ -86,7 +92,8 @@ class ScriptedPolicy:
     def _encode_response(self, text: str) -> tuple[int, ...]:
         if self.tokenizer is None:
             return _byte_ids(text)
-        return tuple(self.tokenizer.encode(text))
+        eos = tuple(getattr(self.tokenizer, "eos_ids", ()) or ())[:1]
+        return tuple(self.tokenizer.encode(text)) + eos
 
     def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
         return [len(self._encode_prompt(p)) for p in prompts]
@@ -158,12 +165,24 @@ class LLMPolicy:
         return [len(ids) for ids in self._encode(prompts)]
 
     def automaton(self, completions: tuple[str, ...]) -> Any:
-        """The sampler's automaton that accepts exactly ``completions`` (each followed by EOS)."""
+        """The sampler's automaton that accepts exactly ``completions`` (each followed by EOS).
+
+        Completions are tokenized as raw response text (no template, no special tokens).
+        """
         if completions not in self._automata:
             from mage_jax.sampling import automaton_from_completions
 
-            self._automata[completions] = automaton_from_completions(self.tokenizer, list(completions))
+            sequences = [self.tokenizer.encode(c) for c in completions]
+            self._automata[completions] = automaton_from_completions(
+                sequences, self.sampler.vocab_size, self.sampler.eos_ids
+            )
         return self._automata[completions]
+
+    def _prompt_limit(self) -> int | None:
+        """The longest prompt the model may get: ``max_prompt_tokens`` and the sampler's largest bucket."""
+        limits = [self.max_prompt_tokens, max(getattr(self.sampler, "prompt_buckets", ()) or (0,)) or None]
+        limits = [x for x in limits if x]
+        return min(limits) if limits else None
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
@@ -173,20 +192,22 @@ class LLMPolicy:
             return []
         prompt_ids = self._encode([r.prompt for r in requests])
         self._prompt_cache.clear()  # prompts change every turn; keep the cache to one call's worth
-        limit = self.max_prompt_tokens
-        fits = [i for i, ids in enumerate(prompt_ids) if limit is None or len(ids) <= limit]
-        results: list[Generation | None] = [None] * len(requests)
-        for i in range(len(requests)):
-            if limit is not None and len(prompt_ids[i]) > limit:
-                results[i] = Generation(
-                    text="", prompt_ids=tuple(prompt_ids[i]), response_ids=(), logprobs=(), truncated=True
-                )
+        limit = self._prompt_limit()
+        fits = [i for i, ids in enumerate(prompt_ids) if ids and (limit is None or len(ids) <= limit)]
+        # A prompt that cannot be fed to the model gets an empty response (an invalid turn), not an error.
+        results: list[Generation | None] = [
+            Generation(text="", prompt_ids=(), response_ids=(), logprobs=(), truncated=True, skipped=True)
+        ] * len(requests)
         if fits:
             constraints = [
                 self.automaton(requests[i].allowed_completions) if requests[i].allowed_completions else None
                 for i in fits
             ]
             any_constraint = any(c is not None for c in constraints)
+            limits = None
+            if any(requests[i].max_new_tokens is not None for i in fits):
+                default = int(self.sampling_params.max_new_tokens)
+                limits = np.asarray([requests[i].max_new_tokens or default for i in fits], dtype=np.int32)
             self.rng, key = jax.random.split(self.rng)
             out = self.sampler.generate(
                 self.params_state,
@@ -194,6 +215,7 @@ class LLMPolicy:
                 self.sampling_params,
                 key,
                 constraints=constraints if any_constraint else None,
+                max_new_tokens_per_row=limits,
             )
             texts = self.tokenizer.decode_batch([list(map(int, t)) for t in out.tokens])
             for j, i in enumerate(fits):

@@ -187,7 +187,7 @@ class PackedBatch:
         """The algorithms' ``RowBatch`` (a pytree of [R] arrays) for returns and advantages."""
         from mage_jax.algorithms import RowBatch
 
-        return RowBatch(**self.row_batch_arrays())
+        return RowBatch.create(**self.row_batch_arrays())
 
     def row_transitions(self, rows: slice | np.ndarray | None = None) -> np.ndarray | None:
         """Per-row transitions ``[r, S, V]`` for ``constraint_masks`` (free rows get an accept-all
