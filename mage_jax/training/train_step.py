@@ -1,0 +1,280 @@
+"""The jitted policy update and the log-prob recompute (spec section 5).
+
+Both functions take the parameter state as a jit argument (functional NNX: the graph definition is
+closed over, the state travels) and a mini-batch of fixed shape ``[R, T]`` in the ``PackedBatch``
+layout: ``targets[r, t]`` is the token predicted from the prefix ``0..t`` and ``response_mask[r, t]``
+marks response targets. Rows are split over the mesh axes ('data', 'fsdp'); parameters and optimizer
+state keep the partition rules of ``mage_jax.models.sharding``. On one CPU device this is a 1x1x1 mesh.
+
+* ``compute_logprobs(params, batch)`` -> log pi(target) at temperature 1 (float32 [R, T]). It gives
+  the *old* log-probs (recomputed by the training model before the update, never the sampler's) and
+  the *reference* log-probs of the frozen initial model for the KL term.
+* ``update(state, batch)`` -> (new state, metrics): PPO clip / dual-clip loss with the configured
+  aggregation, entropy bonus, optional KL to the reference (k3, clamped), gradients, then
+  ``clip_by_global_norm`` + AdamW. A non-finite loss or gradient skips the update: parameters and
+  optimizer state are kept (``jnp.where`` over the tree) and ``skipped = 1`` is reported.
+
+Constrained decoding: when rows were sampled under a token automaton, the recompute replays it
+(``sampling.constraint_masks``) so the log-probs describe the same constrained distribution the
+sampler drew from. The automaton is replayed over the first ``constraint_len`` response tokens, which
+bounds the ``[R, T, V]`` mask to the short action strings it is meant for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mage_jax.algorithms import losses
+from mage_jax.models import sharding as shd
+from mage_jax.models.transformer import make_attention_mask
+
+BATCH_FIELDS = ("tokens", "positions", "token_mask", "targets", "response_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static hyperparameters of the update (hashable; changing one recompiles)."""
+
+    clip_eps: float = 0.2
+    dual_clip: float | None = 3.0
+    entropy_coef: float = 0.001
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    aggregation: str = "token-mean"
+    chunk_size: int = 512
+    constraint_len: int = 0
+    """Response tokens over which a constraint automaton is replayed (0: no constrained rows)."""
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything the update changes: parameters, optimizer state and the count of applied updates."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+
+
+def learning_rate_schedule(lr: float, warmup_steps: int = 0) -> optax.Schedule:
+    """Constant ``lr`` (the paper), after an optional linear warm-up."""
+    if warmup_steps <= 0:
+        return optax.constant_schedule(lr)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)], [warmup_steps]
+    )
+
+
+def make_optimizer(
+    schedule: optax.Schedule, *, b1: float, b2: float, weight_decay: float, grad_clip: float
+) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW (spec section 5)."""
+    return optax.chain(
+        optax.clip_by_global_norm(grad_clip),
+        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay),
+    )
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+class TrainStep:
+    """Builds and holds the jitted update and log-prob functions for one model graph."""
+
+    def __init__(
+        self,
+        graphdef: Any,
+        optimizer: optax.GradientTransformation,
+        schedule: optax.Schedule,
+        config: StepConfig,
+        mesh: Mesh,
+    ):
+        self.graphdef = graphdef
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.config = config
+        self.mesh = mesh
+        self._batch_sharding = shd.batch_sharding(mesh)
+        self._replicated = shd.replicated(mesh)
+        self._update = None
+        self._logprobs = None
+        self._state_shardings = None
+
+    # ------------------------------------------------------------------ state
+    def init_state(self, params: Any) -> TrainState:
+        """Optimizer state for ``params``, everything placed with the partition rules."""
+        params = jax.device_put(params, shd.param_shardings(params, self.mesh))
+        opt_state = jax.jit(self.optimizer.init)(params)
+        opt_state = jax.device_put(opt_state, shd.opt_state_shardings(opt_state, self.mesh))
+        state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+        return jax.device_put(state, self.state_shardings(state))
+
+    def state_shardings(self, state: TrainState) -> TrainState:
+        if self._state_shardings is None:
+            self._state_shardings = TrainState(
+                params=shd.param_shardings(state.params, self.mesh),
+                opt_state=shd.opt_state_shardings(state.opt_state, self.mesh),
+                step=self._replicated,
+            )
+        return self._state_shardings
+
+    # ------------------------------------------------------------------ batches
+    def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Put a host mini-batch on the mesh: rows over ('data', 'fsdp')."""
+        out = {}
+        for name, value in batch.items():
+            if value is None:
+                continue
+            arr = np.asarray(value)
+            spec = PartitionSpec(shd.BATCH_AXES, *([None] * (arr.ndim - 1)))
+            rows = arr.shape[0]
+            divisor = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+            sharding = NamedSharding(self.mesh, spec) if rows % divisor == 0 else self._replicated
+            out[name] = jax.device_put(arr, sharding)
+        return out
+
+    # ------------------------------------------------------------------ model
+    def _token_logprobs(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        model = nnx.merge(self.graphdef, params)
+        mask = make_attention_mask(batch["token_mask"])
+        hidden, _ = model(batch["tokens"], batch["positions"], mask)
+        allowed = self._allowed(batch) if "transitions" in batch else None
+        return losses.token_logprobs_and_entropy(
+            hidden, model.head_weight(), batch["targets"], chunk_size=self.config.chunk_size,
+            temperature=1.0, allowed=allowed,
+        )
+
+    def _allowed(self, batch: dict[str, jax.Array]) -> jax.Array:
+        """bool[R, T, V]: the constraint mask of each target position (all True outside the response)."""
+        from mage_jax.sampling import constraint_masks
+
+        targets = batch["targets"]
+        rows, length = targets.shape
+        steps = max(1, min(self.config.constraint_len, length))
+        start = jnp.maximum(batch["prompt_lengths"] - 1, 0)  # target index of the first response token
+        gather = jnp.clip(start[:, None] + jnp.arange(steps)[None, :], 0, length - 1)
+        response = jnp.take_along_axis(targets, gather, axis=1)
+        masks = constraint_masks(batch["transitions"], response)  # [R, steps, V]
+        offset = jnp.arange(length)[None, :] - start[:, None]  # [R, T]
+        inside = (offset >= 0) & (offset < steps)
+        picked = jnp.take_along_axis(masks, jnp.clip(offset, 0, steps - 1)[:, :, None], axis=1)
+        return jnp.where(inside[:, :, None], picked, True)
+
+    # ------------------------------------------------------------------ jitted entry points
+    def compute_logprobs(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        """log pi(target) at temperature 1, float32 [R, T] (0 outside the response)."""
+        if self._logprobs is None:
+
+            def fn(params, batch):
+                logp, _ = self._token_logprobs(params, batch)
+                return jnp.where(batch["response_mask"], logp, 0.0)
+
+            self._logprobs = jax.jit(fn, out_shardings=self._batch_sharding)
+        return self._logprobs(params, batch)
+
+    def update(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimizer step on one mini-batch (``state`` is donated)."""
+        if self._update is None:
+            self._update = jax.jit(
+                self._update_fn,
+                donate_argnums=(0,),
+                out_shardings=(self.state_shardings(state), self._replicated),
+            )
+        return self._update(state, batch)
+
+    def _update_fn(self, state: TrainState, batch: dict[str, jax.Array]):
+        cfg = self.config
+        mask = batch["response_mask"]
+
+        def loss_fn(params):
+            logp, entropy = self._token_logprobs(params, batch)
+            pg_loss, pg_metrics = losses.ppo_loss(
+                logp, batch["old_logprobs"], batch["advantages"], mask,
+                clip_eps=cfg.clip_eps, dual_clip=cfg.dual_clip, agg_mode=cfg.aggregation,
+            )
+            entropy_term = losses.aggregate(entropy, mask, cfg.aggregation)
+            loss = pg_loss - cfg.entropy_coef * entropy_term
+            kl_term = jnp.float32(0.0)
+            if cfg.kl_coef > 0:
+                kl = losses.kl_penalty(logp, batch["ref_logprobs"], cfg.kl_kind)
+                kl_term = losses.aggregate(kl, mask, cfg.aggregation)
+                loss = loss + cfg.kl_coef * kl_term
+            metrics = {
+                "policy_loss": pg_loss,
+                "clip_fraction": pg_metrics["clip_fraction"],
+                "dual_clip_fraction": pg_metrics["dual_clip_fraction"],
+                "approx_kl": pg_metrics["approx_kl"],
+                "entropy": entropy_term,
+                "kl_loss": kl_term,
+            }
+            return loss, metrics
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        finite = jnp.isfinite(loss) & _all_finite(grads)
+        updates, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+
+        def keep_if_skipped(new, old):
+            return jnp.where(finite, new, old)
+
+        new_state = TrainState(
+            params=jax.tree.map(keep_if_skipped, new_params, state.params),
+            opt_state=jax.tree.map(keep_if_skipped, new_opt_state, state.opt_state),
+            step=state.step + finite.astype(jnp.int32),
+        )
+        metrics = dict(metrics)
+        metrics.update(
+            loss=loss,
+            grad_norm=optax.global_norm(grads),
+            lr=jnp.asarray(self.schedule(state.step), jnp.float32),
+            skipped=(~finite).astype(jnp.float32),
+            response_tokens=mask.sum().astype(jnp.float32),
+        )
+        return new_state, metrics
+
+
+def minibatch_arrays(
+    packed: Any,
+    index: np.ndarray,
+    *,
+    advantages: np.ndarray | None = None,
+    old_logprobs: np.ndarray | None = None,
+    ref_logprobs: np.ndarray | None = None,
+    constrained: bool = False,
+) -> dict[str, np.ndarray]:
+    """Host arrays of rows ``index`` (``-1``: a masked padding row) of a ``PackedBatch``.
+
+    ``advantages`` is per row ``[R]`` of the whole batch; ``old_logprobs`` / ``ref_logprobs`` are
+    ``[n, T]`` arrays already aligned with ``index``.
+    """
+    index = np.asarray(index, dtype=np.int64)
+    pad = index < 0
+    safe = np.where(pad, 0, index)
+    out: dict[str, np.ndarray] = {}
+    for name in BATCH_FIELDS:
+        arr = np.asarray(getattr(packed, name))[safe].copy()
+        if pad.any():
+            arr[pad] = packed.pad_id if name in ("tokens", "targets") else 0
+        out[name] = arr
+    out["prompt_lengths"] = np.where(pad, 0, np.asarray(packed.prompt_lengths)[safe]).astype(np.int32)
+    if advantages is not None:
+        out["advantages"] = np.where(pad, 0.0, np.asarray(advantages, np.float32)[safe]).astype(np.float32)
+    if old_logprobs is not None:
+        out["old_logprobs"] = np.asarray(old_logprobs, np.float32)
+    if ref_logprobs is not None:
+        out["ref_logprobs"] = np.asarray(ref_logprobs, np.float32)
+    if constrained:
+        trans = packed.row_transitions(safe)
+        if trans is not None:
+            out["transitions"] = trans
+    return out
