@@ -9,7 +9,11 @@ the action; that is the reference behaviour, and the model learns to avoid it.
 
 from __future__ import annotations
 
+import re
+
 MAX_REFLECTION_CHARS = 2000
+_CELL = re.compile(r"\(\s*([+-]?\d+)\s*,\s*([+-]?\d+)\s*\)")
+_MAX_COORDINATE_DIGITS = 6
 
 
 def extract_tagged(text: str, tag: str) -> str | None:
@@ -38,3 +42,24 @@ def extract_reflection(response: str) -> tuple[str, bool]:
     if text is None:
         return "", False
     return text[:MAX_REFLECTION_CHARS], True
+
+
+def extract_cell(text: str) -> tuple[int, int] | None:
+    """The first ``(int, int)`` pair of an action text (grid games, 1-based as written), or None.
+
+    Numbers longer than 6 digits come back as a huge out-of-range value instead of being converted
+    (Python refuses int() of very long digit strings), so range checks still reject them.
+    """
+    if not isinstance(text, str):
+        return None
+    match = _CELL.search(text)
+    if match is None:
+        return None
+
+    def number(digits: str) -> int:
+        body = digits.lstrip("+-")
+        if len(body) > _MAX_COORDINATE_DIGITS:
+            return -(10**_MAX_COORDINATE_DIGITS) if digits.startswith("-") else 10**_MAX_COORDINATE_DIGITS
+        return int(digits)
+
+    return number(match.group(1)), number(match.group(2))

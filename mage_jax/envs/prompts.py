@@ -55,8 +55,10 @@ class EpisodeRecord:
 
 
 # A minus sign belongs to a number only when it does not follow a word ("reward -0.1", not "row-1").
-_TOKEN = re.compile(r"(?<!\w)-\d+(?:\.\d+)?|\d+(?:\.\d+)?|[^\W\d_]+|\S")
-_GRID_TOKEN = re.compile(r"\d+|\S")
+# XML-like tags (``<action>``) stay whole.
+_TAG = r"</?[A-Za-z_][A-Za-z0-9_\-]*>"
+_TOKEN = re.compile(_TAG + r"|(?<!\w)-\d+(?:\.\d+)?|\d+(?:\.\d+)?|[^\W\d_]+|\S")
+_GRID_TOKEN = re.compile(_TAG + r"|\d+|\S")
 
 
 def compact_text(text: str) -> str:
@@ -204,6 +206,12 @@ def _preamble(spec: PromptSpec, style: str) -> str:
     return compact_text(spec.compact_preamble) if style == "compact" else spec.preamble.strip()
 
 
+def _answer_format(spec: PromptSpec) -> str:
+    """``spec.action_format`` with its tags (environments may give the bare format, e.g. ``(row, col)``)."""
+    fmt = spec.action_format.strip()
+    return fmt if "<action>" in fmt else f"<action>{fmt}</action>"
+
+
 def _initial(initial_observation: str, style: str) -> str:
     if style == "compact":
         return "start :\n" + compact_text(initial_observation)
@@ -239,13 +247,11 @@ def render_play_prompt(spec: PromptSpec, initial_observation: str, memory: Seque
             sections.append("admissible : " + " | ".join(compact_text(a) for a in admissible))
         else:
             sections.append("Admissible actions: " + ", ".join(admissible))
+    answer = _answer_format(spec)
     if style == "compact":
-        sections.append(f"answer <action> {compact_text(spec.action_format)} </action>")
+        sections.append("answer " + compact_text(answer))
     else:
-        sections.append(
-            "It is your turn. Think step by step, then give your action inside <action>...</action>, "
-            f"for example <action>{spec.action_format}</action>."
-        )
+        sections.append(f"It is your turn. Think step by step, then give your action as {answer}.")
     return "\n\n".join(sections)
 
 
