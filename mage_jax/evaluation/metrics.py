@@ -1,0 +1,163 @@
+"""Evaluation metrics of meta-episodes (spec section 9), as plain JSON-serialisable dicts.
+
+``k`` is the episode index (0-based, as the rest of the code): ``success@k`` is the share of
+meta-episodes won in at least one of episodes 0..k, so ``success@2`` is the paper's Pass@3. A
+meta-episode that stopped early (it won) keeps its last episode's values for every later k.
+
+Per meta-episode and k, with ``j = min(k, episodes_run - 1)`` the last episode played up to k:
+
+- ``success``: won in one of episodes 0..j; ``draw``: drew in one of 0..j;
+  ``success_or_draw``: won or drew in one of 0..j;
+- ``score``: the best ``StepInfo.score`` among episodes 0..j (games: the best payoff so far);
+- ``payoff``: the payoff of episode j (reward in the game's unit, Kuhn chips): what MAGE optimises;
+- ``reward``: the environment reward of episode j.
+
+Each curve is the mean over meta-episodes, overall and split by opponent, seat and task type
+(``task_info["task_type"]``, e.g. ALFWorld).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+CURVES = ("success", "draw", "success_or_draw", "score", "payoff", "reward")
+
+
+def _field(outcome: Any, name: str, default: Any = None) -> Any:
+    if isinstance(outcome, Mapping):
+        return outcome.get(name, default)
+    return getattr(outcome, name, default)
+
+
+def _per_episode(outcome: Any, name: str, n: int, fill: Any) -> list:
+    values = list(_field(outcome, name, None) or [])
+    if len(values) < n:
+        values += [fill] * (n - len(values))
+    return values[:n]
+
+
+def meta_episode_curves(outcome: Any, num_episodes: int) -> dict[str, np.ndarray]:
+    """The curves of one meta-episode (a ``MetaEpisodeOutcome`` or its ``to_dict()``), k = 0..K-1."""
+    rewards = list(_field(outcome, "rewards", None) or [])
+    run = len(rewards)
+    if run == 0:
+        raise ValueError(
+            f"meta-episode {_field(outcome, 'meta_episode')!r} ran no episode; nothing to measure"
+        )
+    won = [bool(x) for x in _per_episode(outcome, "won", run, False)]
+    draw = [bool(x) for x in _per_episode(outcome, "draw", run, False)]
+    score = [float(x) for x in _per_episode(outcome, "score", run, 0.0)]
+    payoff_values = _field(outcome, "payoff", None)
+    payoff = [float(x) for x in (payoff_values if payoff_values else rewards)][:run]
+    out = {name: np.zeros(num_episodes, dtype=np.float64) for name in CURVES}
+    for k in range(num_episodes):
+        j = min(k, run - 1)
+        out["success"][k] = any(won[: j + 1])
+        out["draw"][k] = any(draw[: j + 1])
+        out["success_or_draw"][k] = any(w or d for w, d in zip(won[: j + 1], draw[: j + 1]))
+        out["score"][k] = max(score[: j + 1])
+        out["payoff"][k] = payoff[j]
+        out["reward"][k] = float(rewards[j])
+    return out
+
+
+def _curves(outcomes: Sequence[Any], num_episodes: int) -> dict[str, Any]:
+    stacked = [meta_episode_curves(o, num_episodes) for o in outcomes]
+    curves = {name: [float(v) for v in np.mean([c[name] for c in stacked], axis=0)] for name in CURVES}
+    return {"num_meta_episodes": len(outcomes), "curves": curves}
+
+
+def _split(outcomes: Sequence[Any], key) -> dict[str, list[Any]]:
+    groups: dict[str, list[Any]] = {}
+    for o in outcomes:
+        value = key(o)
+        if value is None:
+            continue
+        groups.setdefault(str(value), []).append(o)
+    return dict(sorted(groups.items()))
+
+
+def _task_type(outcome: Any) -> Any:
+    info = _field(outcome, "task_info", None) or {}
+    return info.get("task_type") if isinstance(info, Mapping) else None
+
+
+def compute_metrics(
+    outcomes: Iterable[Any] | Any,
+    *,
+    num_episodes: int | None = None,
+    rows: Sequence[Any] | None = None,
+) -> dict[str, Any]:
+    """All evaluation metrics of a rollout.
+
+    ``outcomes``: a ``RolloutResult`` (its rows are used for response lengths) or a sequence of
+    ``MetaEpisodeOutcome`` / outcome dicts. ``num_episodes``: K, the length of every curve (default:
+    the most episodes any meta-episode ran; pass the runner's N so that curves always span N).
+    """
+    if hasattr(outcomes, "outcomes") and hasattr(outcomes, "rows"):
+        rows = outcomes.rows if rows is None else rows
+        outcomes = outcomes.outcomes
+    outcomes = list(outcomes)
+    if not outcomes:
+        raise ValueError("no meta-episode outcomes to compute metrics from")
+    longest = max(len(_field(o, "rewards", None) or []) for o in outcomes)
+    K = longest if num_episodes is None else int(num_episodes)
+    if K < 1:
+        raise ValueError(f"num_episodes must be at least 1, got {num_episodes!r}")
+
+    metrics: dict[str, Any] = _curves(outcomes, K)
+    metrics["num_episodes"] = K
+    metrics["by_opponent"] = {
+        name: _curves(group, K) for name, group in _split(outcomes, lambda o: _field(o, "opponent")).items()
+    }
+    metrics["by_seat"] = {
+        seat: _curves(group, K) for seat, group in _split(outcomes, lambda o: _field(o, "seat")).items()
+    }
+    metrics["by_task_type"] = {
+        kind: _curves(group, K) for kind, group in _split(outcomes, _task_type).items()
+    }
+
+    valid = sum(int(_field(o, "valid_actions", 0) or 0) for o in outcomes)
+    invalid = sum(int(_field(o, "invalid_actions", 0) or 0) for o in outcomes)
+    metrics["valid_action_ratio"] = valid / (valid + invalid) if valid + invalid else None
+    metrics["rows_per_meta_episode"] = float(np.mean([float(_field(o, "rows", 0) or 0) for o in outcomes]))
+    metrics["episodes_run_mean"] = float(np.mean([len(_field(o, "rewards", None) or []) for o in outcomes]))
+    if rows:
+        lengths = np.asarray([r.response_length for r in rows], dtype=np.float64)
+        play = np.asarray([r.phase == "play" for r in rows])
+        metrics["response_length"] = {
+            "mean": float(lengths.mean()),
+            "max": float(lengths.max()),
+            "min": float(lengths.min()),
+            "play_mean": float(lengths[play].mean()) if play.any() else None,
+            "reflect_mean": float(lengths[~play].mean()) if (~play).any() else None,
+        }
+    return metrics
+
+
+def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Flat ``{"success@0": ..., "opponent/aggressive/payoff@2": ..., "seat/1/success@1": ...}`` for logs."""
+    flat: dict[str, float] = {}
+
+    def add_curves(block: Mapping[str, Any], head: str) -> None:
+        for name, values in block["curves"].items():
+            for k, v in enumerate(values):
+                flat[f"{prefix}{head}{name}@{k}"] = float(v)
+        flat[f"{prefix}{head}num_meta_episodes"] = float(block["num_meta_episodes"])
+
+    add_curves(metrics, "")
+    for split, label in (("by_opponent", "opponent"), ("by_seat", "seat"), ("by_task_type", "task_type")):
+        for key, block in metrics.get(split, {}).items():
+            add_curves(block, f"{label}/{key}/")
+    for name in ("valid_action_ratio", "rows_per_meta_episode", "episodes_run_mean"):
+        value = metrics.get(name)
+        if value is not None and math.isfinite(float(value)):
+            flat[f"{prefix}{name}"] = float(value)
+    for stat, value in (metrics.get("response_length") or {}).items():
+        if value is not None:
+            flat[f"{prefix}response_length_{stat}"] = float(value)
+    return flat
