@@ -37,6 +37,7 @@ __all__ = [
     "generate_room",
     "parse_moves",
     "render_room",
+    "shortest_solution",
     "solve",
 ]
 
@@ -75,6 +76,32 @@ class Room:
         self.walls, self.targets, self.boxes, self.player = walls, targets, boxes, player
         self.optimal_length, self.seed, self.num_boxes = optimal_length, seed, num_boxes
         self.dead = dead_squares(walls, targets)
+
+    @classmethod
+    def from_text(cls, text: str) -> Room:
+        """Parse a room drawn as ``render_room`` draws it (for hand-made rooms); optimum solved here."""
+        lines = [line.split(":", 1)[-1] for line in text.strip().splitlines()]
+        if len(lines) != SIZE or any(len(line) != SIZE for line in lines):
+            raise ValueError(f"a Sokoban room is {SIZE} rows of {SIZE} symbols, got {lines!r}")
+        walls = targets = boxes = 0
+        players = []
+        for row, line in enumerate(lines):
+            for col, symbol in enumerate(line):
+                cell, bit = row * SIZE + col, 1 << (row * SIZE + col)
+                if symbol not in _SYMBOLS.values():
+                    raise ValueError(f"unknown Sokoban symbol {symbol!r}")
+                walls |= bit if symbol == "#" else 0
+                targets |= bit if symbol in "O√S" else 0
+                boxes |= bit if symbol in "X√" else 0
+                if symbol in "PS":
+                    players.append(cell)
+        border = [c for c in range(SIZE * SIZE) if c // SIZE in (0, SIZE - 1) or c % SIZE in (0, SIZE - 1)]
+        if len(players) != 1 or boxes.bit_count() != targets.bit_count() or not boxes:
+            raise ValueError("a Sokoban room needs one player and as many boxes as targets (at least one)")
+        if any(not walls >> c & 1 for c in border):
+            raise ValueError("a Sokoban room must be enclosed by walls")
+        length = solve(walls, targets, boxes, players[0])
+        return cls(walls, targets, boxes, players[0], -1 if length is None else length, -1, boxes.bit_count())
 
     def __repr__(self) -> str:
         return f"Room(seed={self.seed}, num_boxes={self.num_boxes}, optimal_length={self.optimal_length})"
@@ -189,6 +216,37 @@ def solve(walls: int, targets: int, boxes: int, player: int, max_depth: int = DE
                     nxt_frontier.append(state)
         frontier = nxt_frontier
     return None
+
+
+def shortest_solution(room: Room) -> list[str] | None:
+    """One optimal move list for ``room`` from its initial state (an oracle for tests and baselines)."""
+    start = (room.player, room.boxes)
+    parent: dict[tuple[int, int], tuple[tuple[int, int], str] | None] = {start: None}
+    frontier = [start]
+    goal = start if room.boxes == room.targets else None
+    while frontier and goal is None:
+        nxt_frontier = []
+        for state in frontier:
+            for name in DIRECTIONS:
+                boxes, player, _ = _step(room.walls, state[1], state[0], _DELTA[name])
+                new = (player, boxes)
+                if new in parent or boxes & room.dead:
+                    continue
+                parent[new] = (state, name)
+                if boxes == room.targets:
+                    goal = new
+                    break
+                nxt_frontier.append(new)
+            if goal is not None:
+                break
+        frontier = nxt_frontier
+    if goal is None:
+        return None
+    moves: list[str] = []
+    while parent[goal] is not None:
+        goal, name = parent[goal]
+        moves.append(name)
+    return moves[::-1]
 
 
 _SOLVABLE: dict[tuple[int, int, int, int], bool] = {}
@@ -451,6 +509,13 @@ class SokobanEnv(TextEnv):
         return info
 
     # -- extras ---------------------------------------------------------------------------------
+    def reset_to_room(self, room: Room) -> str:
+        """Play a given room (hand-made rooms in tests and curricula) instead of a seed's room."""
+        if room.num_boxes != self.num_boxes:
+            raise ValueError(f"room has {room.num_boxes} boxes, the environment {self.num_boxes}")
+        self._seed, self._room = room.seed, room
+        return self.restart()
+
     @property
     def done(self) -> bool:
         return self._done
