@@ -1,0 +1,647 @@
+"""Batched generation under ``jax.jit``: prefill, then a ``lax.while_loop`` decode over a KV cache.
+
+One call generates a response for every prompt of a lockstep turn. Shapes are fixed at the jit
+boundary so a training run compiles a bounded number of times:
+
+* prompts are left-padded to the smallest *prompt bucket* that holds the longest one (a longer prompt
+  is one clear ``ValueError``);
+* the batch is padded to the smallest *batch bucket* with masked dummy rows (finished before the first
+  step, never duplicated, discarded); a batch larger than the largest bucket runs in several calls;
+* the cache holds ``prompt_bucket + max_new_tokens`` slots; it is preallocated outside the jitted
+  function, donated to it and written in place (prefill fills slots ``0..P-1``, decode step ``i``
+  writes slot ``P+i``); the loop exits as soon as every row is finished.
+
+Which distribution is what
+--------------------------
+Tokens are drawn from ``softmax(masked_logits / temperature)`` restricted to the top-k / top-p set
+(greedy / temperature 0: argmax of the masked logits). The returned log-prob of a token is always
+``log_softmax(masked_logits)[token]`` at temperature 1 *without* top-k / top-p truncation, where
+``masked_logits`` sets the tokens disallowed by the row's constraint automaton to -inf (no constraint:
+the raw logits). That is exactly what the trainer recomputes with ``temperature=1`` and
+``allowed=constraint_masks(...)``, so sampler and trainer log-probs agree at temperature 1.
+
+Stop strings are not checked on device: generation stops on EOS ids only, and
+``truncate_at_stop_strings`` cuts a finished result on the host by decoding the text.
+
+Constrained decoding: a ``TokenAutomaton`` is a table ``transitions[S, V]`` (next state, or -1 when the
+token is disallowed), start state 0; EOS is allowed exactly in accepting states.
+``automaton_from_completions`` builds the trie that accepts exactly a list of token sequences followed
+by EOS ("the response is one of these legal action strings").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+_NEG_INF = -jnp.inf
+
+
+# ------------------------------------------------------------------------------------------ params
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature=0`` or ``greedy=True`` is argmax; ``top_k=0`` / ``top_p=1`` are off.
+
+    ``top_k`` and whether top-p is on are compile-time switches (one compile per setting); the
+    temperature and the top-p value are runtime values. ``max_new_tokens`` sizes the KV cache.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0):
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Per prompt, in input order: response ids (EOS included when produced) and their log-probs."""
+
+    tokens: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    finished: np.ndarray  # bool[B]: the row produced an EOS (or, after truncation, a stop string)
+    compile_count: int
+    prompt_bucket: int = 0
+    batch_buckets: tuple[int, ...] = ()
+
+
+# -------------------------------------------------------------------------------------- automata
+@dataclasses.dataclass(frozen=True)
+class TokenAutomaton:
+    """A deterministic automaton over token ids: ``transitions[s, v]`` is the next state or -1 (disallowed).
+
+    The start state is 0. A state is accepting when an EOS id is allowed from it.
+    """
+
+    transitions: np.ndarray  # int32[S, V]
+
+    def __post_init__(self) -> None:
+        t = np.asarray(self.transitions)
+        if t.ndim != 2 or t.shape[0] < 1:
+            raise ValueError(f"transitions must be int32[S, V] with S >= 1, got shape {t.shape}")
+        if t.min(initial=-1) < -1 or t.max(initial=-1) >= t.shape[0]:
+            raise ValueError("transitions must hold -1 or a state index in [0, S)")
+        object.__setattr__(self, "transitions", t.astype(np.int32))
+
+    @property
+    def num_states(self) -> int:
+        return self.transitions.shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.transitions.shape[1]
+
+    def accepting(self, eos_ids: Sequence[int]) -> np.ndarray:
+        """bool[S]: states where generation may end (some EOS id is allowed)."""
+        return (self.transitions[:, list(eos_ids)] >= 0).any(axis=1)
+
+    @classmethod
+    def accept_all(cls, vocab_size: int) -> TokenAutomaton:
+        """One state that allows every token: an unconstrained row inside a constrained batch."""
+        return cls(np.zeros((1, vocab_size), np.int32))
+
+
+def automaton_from_completions(
+    token_sequences: Sequence[Sequence[int]], vocab_size: int, eos_id: int | Sequence[int]
+) -> TokenAutomaton:
+    """The trie automaton that accepts exactly ``token_sequences`` each followed by one EOS id.
+
+    State 0 is the root; the last state is the absorbing "after EOS" state, from which nothing is
+    allowed. A sequence that is a prefix of another makes its end state both accepting and continuing.
+    """
+    eos = [eos_id] if isinstance(eos_id, (int, np.integer)) else list(eos_id)
+    if not token_sequences:
+        raise ValueError("automaton_from_completions needs at least one allowed completion")
+    for tid in [*eos, *(t for seq in token_sequences for t in seq)]:
+        if not 0 <= int(tid) < vocab_size:
+            raise ValueError(f"token id {int(tid)} is outside the vocabulary [0, {vocab_size})")
+    children: list[dict[int, int]] = [{}]
+    accepting = [False]
+    for seq in token_sequences:
+        state = 0
+        for tid in seq:
+            tid = int(tid)
+            if tid in eos:
+                raise ValueError(f"completion {list(seq)} contains the EOS id {tid} before its end")
+            nxt = children[state].get(tid)
+            if nxt is None:
+                nxt = len(children)
+                children[state][tid] = nxt
+                children.append({})
+                accepting.append(False)
+            state = nxt
+        accepting[state] = True
+    done = len(children)
+    table = np.full((done + 1, vocab_size), -1, np.int32)
+    for state, kids in enumerate(children):
+        for tid, nxt in kids.items():
+            table[state, tid] = nxt
+        if accepting[state]:
+            table[state, eos] = done
+    return TokenAutomaton(table)
+
+
+def stack_automata(
+    automata: Sequence[TokenAutomaton | None], vocab_size: int, num_states: int | None = None
+) -> np.ndarray:
+    """Per-row automata -> int32[B, S, V], states padded with disallow-all rows; None = unconstrained."""
+    filled = [TokenAutomaton.accept_all(vocab_size) if a is None else a for a in automata]
+    for a in filled:
+        if a.vocab_size != vocab_size:
+            raise ValueError(f"automaton vocabulary {a.vocab_size} != model vocabulary {vocab_size}")
+    states = max(a.num_states for a in filled) if num_states is None else num_states
+    out = np.full((len(filled), states, vocab_size), -1, np.int32)
+    for row, a in enumerate(filled):
+        if a.num_states > states:
+            raise ValueError(f"automaton with {a.num_states} states does not fit {states} states")
+        out[row, : a.num_states] = a.transitions
+    return out
+
+
+def _allowed_tokens(transitions: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(allowed bool[B,V], next-state table int32[B,V]) of each row's current state.
+
+    A row in no state (-1: it left the automaton, e.g. padding after EOS) or in a state that allows
+    nothing gets an all-True mask, so log-softmax stays finite; those positions are never sampled.
+    """
+    rows = jnp.arange(transitions.shape[0])
+    nxt = transitions[rows, jnp.maximum(state, 0)]
+    allowed = (nxt >= 0) & (state >= 0)[:, None]
+    allowed = jnp.where(allowed.any(axis=-1, keepdims=True), allowed, True)
+    return allowed, nxt
+
+
+@jax.jit
+def constraint_masks(transitions: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Replay each row's automaton over its tokens: allowed[b, t] is the mask used to draw tokens[b, t].
+
+    transitions int32[B,S,V], tokens int32[B,T] -> bool[B,T,V]. Positions after the end of a response
+    (after EOS, padding) get all-True masks; the trainer masks them out with the response mask.
+    """
+    transitions = jnp.asarray(transitions, jnp.int32)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    vocab = transitions.shape[-1]
+
+    def step(state, token):
+        allowed, nxt = _allowed_tokens(transitions, state)
+        in_vocab = (token >= 0) & (token < vocab)
+        new_state = jnp.take_along_axis(nxt, jnp.clip(token, 0, vocab - 1)[:, None], axis=1)[:, 0]
+        return jnp.where(in_vocab & (state >= 0), new_state, -1), allowed
+
+    start = jnp.zeros(tokens.shape[:1], jnp.int32)
+    _, masks = jax.lax.scan(step, start, tokens.T)
+    return masks.transpose(1, 0, 2)
+
+
+# --------------------------------------------------------------------------------- token choice
+def _choose(
+    logits: jax.Array,
+    allowed: jax.Array | None,
+    key: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    *,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row; return (token int32[B], log-prob float32[B] at temperature 1, masked)."""
+    logits = logits.astype(jnp.float32)
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, _NEG_INF)
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    if greedy:
+        token = jnp.argmax(logits, axis=-1)
+    else:
+        scaled = logits / temperature
+        if top_k > 0:
+            vals, idx = jax.lax.top_k(scaled, top_k)
+            if use_top_p:
+                vals = _top_p_filter_sorted(vals, top_p)
+            pick = jax.random.categorical(key, vals, axis=-1)
+            token = jnp.take_along_axis(idx, pick[:, None], axis=1)[:, 0]
+        else:
+            if use_top_p:
+                vals = jnp.sort(scaled, axis=-1)[:, ::-1]
+                kept = _top_p_filter_sorted(vals, top_p)
+                # The smallest kept logit is the threshold; ties at it are all kept.
+                threshold = jnp.min(jnp.where(jnp.isfinite(kept), kept, jnp.inf), axis=-1, keepdims=True)
+                scaled = jnp.where(scaled >= threshold, scaled, _NEG_INF)
+            token = jax.random.categorical(key, scaled, axis=-1)
+    token = token.astype(jnp.int32)
+    logp = jnp.take_along_axis(logp_all, token[:, None], axis=1)[:, 0]
+    return token, logp
+
+
+def _top_p_filter_sorted(sorted_logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Keep the smallest prefix of descending logits whose probability mass reaches top_p (at least one)."""
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < top_p
+    keep = keep.at[:, 0].set(True)
+    return jnp.where(keep, sorted_logits, _NEG_INF)
+
+
+# -------------------------------------------------------------------------------------- sampler
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything that selects a compiled program (besides array shapes)."""
+
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    constrained: bool
+
+
+class Sampler:
+    """Jitted batched generation for one model graph; see the module docstring.
+
+    ``graphdef`` comes from ``nnx.split(model)``; ``config`` is its ``ModelConfig``. ``eos_ids`` stop a
+    row; ``pad_id`` fills left padding and the unused tail of responses. With a ``mesh`` (axes
+    'data', 'fsdp', 'tensor' of ``mage_jax.models.sharding``) the state is placed with
+    ``state_shardings`` (default: the partition rules), rows of the batch and the KV cache over
+    ('data', 'fsdp') and kv heads over 'tensor'. Without a mesh everything stays where it is.
+    """
+
+    def __init__(
+        self,
+        graphdef: Any,
+        config: Any,
+        *,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+        cache_dtype: Any = None,
+        mesh: jax.sharding.Mesh | None = None,
+        state_shardings: Any = None,
+    ):
+        if not eos_ids:
+            raise ValueError("the sampler needs at least one EOS id")
+        self.graphdef = graphdef
+        self.config = config
+        self.vocab_size = int(config.vocab_size)
+        self.eos_ids = tuple(int(i) for i in eos_ids)
+        self.pad_id = int(pad_id)
+        for tid in (*self.eos_ids, self.pad_id):
+            if not 0 <= tid < self.vocab_size:
+                raise ValueError(
+                    f"special token id {tid} is outside the model vocabulary [0, {self.vocab_size})"
+                )
+        self.prompt_buckets = _sorted_buckets(prompt_buckets, "prompt_buckets")
+        self.batch_buckets = _sorted_buckets(batch_buckets, "batch_buckets")
+        self.cache_dtype = cache_dtype
+        self.mesh = mesh
+        self.state_shardings = state_shardings
+        self.compile_count = 0
+        self._compiled: dict[_Static, Callable] = {}
+        self._init_cache_fns: dict[tuple[int, int], Callable] = {}
+
+    # ----------------------------------------------------------------------------- public entry
+    def generate(
+        self,
+        state: Any,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        rng: jax.Array,
+        *,
+        constraints: TokenAutomaton | Sequence[TokenAutomaton | None] | None = None,
+        max_new_tokens_per_row: Sequence[int] | np.ndarray | None = None,
+    ) -> GenerationResult:
+        """Generate one response per prompt (token ids, already chat-formatted).
+
+        ``constraints``: one automaton for every row, or one per row (None = unconstrained row).
+        ``max_new_tokens_per_row``: per-row limits, capped at ``params.max_new_tokens``.
+        """
+        n = len(prompts)
+        lengths = [len(p) for p in prompts]
+        state = self._place_state(state)
+        if n == 0:
+            return GenerationResult([], [], np.zeros(0, bool), self.compile_count)
+        if min(lengths) == 0:
+            raise ValueError(f"prompt {lengths.index(0)} is empty; every prompt needs at least one token")
+        longest = max(lengths)
+        if longest > self.prompt_buckets[-1]:
+            row = lengths.index(longest)
+            raise ValueError(
+                f"prompt {row} has {longest} tokens, longer than the largest prompt bucket "
+                f"({self.prompt_buckets[-1]}); shorten the prompt or add a larger bucket"
+            )
+        prompt_bucket = _bucket(longest, self.prompt_buckets)
+        limits = self._row_limits(max_new_tokens_per_row, n, params.max_new_tokens)
+        automata = self._row_automata(constraints, n)
+
+        tokens_out: list[np.ndarray] = []
+        logprobs_out: list[np.ndarray] = []
+        finished_out: list[np.ndarray] = []
+        used_buckets: list[int] = []
+        chunk = self.batch_buckets[-1]
+        keys = jax.random.split(rng, (n + chunk - 1) // chunk)
+        for c, start in enumerate(range(0, n, chunk)):
+            rows = slice(start, min(start + chunk, n))
+            toks, lps, fin, bb = self._generate_chunk(
+                state,
+                prompts[rows],
+                limits[rows],
+                None if automata is None else automata[rows],
+                prompt_bucket,
+                params,
+                keys[c],
+            )
+            tokens_out += toks
+            logprobs_out += lps
+            finished_out.append(fin)
+            used_buckets.append(bb)
+        return GenerationResult(
+            tokens=tokens_out,
+            logprobs=logprobs_out,
+            finished=np.concatenate(finished_out),
+            compile_count=self.compile_count,
+            prompt_bucket=prompt_bucket,
+            batch_buckets=tuple(used_buckets),
+        )
+
+    # ---------------------------------------------------------------------------------- helpers
+    def _row_limits(self, per_row, n: int, max_new: int) -> np.ndarray:
+        if per_row is None:
+            return np.full(n, max_new, np.int32)
+        limits = np.asarray(per_row)
+        if limits.shape != (n,) or not np.issubdtype(limits.dtype, np.integer):
+            raise ValueError(f"max_new_tokens_per_row must be {n} integers, got shape {limits.shape}")
+        if (limits < 0).any():
+            raise ValueError("max_new_tokens_per_row must be >= 0")
+        return np.minimum(limits, max_new).astype(np.int32)
+
+    def _row_automata(self, constraints, n: int) -> list[TokenAutomaton | None] | None:
+        if constraints is None:
+            return None
+        if isinstance(constraints, TokenAutomaton):
+            return [constraints] * n
+        automata = list(constraints)
+        if len(automata) != n:
+            raise ValueError(f"got {len(automata)} constraints for {n} prompts")
+        if all(a is None for a in automata):
+            return None
+        return automata
+
+    def _generate_chunk(self, state, prompts, limits, automata, prompt_bucket, params, key):
+        n = len(prompts)
+        batch = _bucket(n, self.batch_buckets)
+        tokens = np.full((batch, prompt_bucket), self.pad_id, np.int32)
+        valid = np.zeros((batch, prompt_bucket), bool)
+        for row, prompt in enumerate(prompts):
+            ids = np.asarray(prompt, np.int64)
+            if ids.min() < 0 or ids.max() >= self.vocab_size:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+            tokens[row, prompt_bucket - len(ids) :] = ids
+            valid[row, prompt_bucket - len(ids) :] = True
+        row_limits = np.zeros(batch, np.int32)  # dummy rows: limit 0, finished before the first step
+        row_limits[:n] = limits
+        transitions = None
+        if automata is not None:
+            states = max(1 if a is None else a.num_states for a in automata)
+            transitions = stack_automata(
+                list(automata) + [None] * (batch - n), self.vocab_size, num_states=_pow2(states)
+            )
+        static = _Static(
+            greedy=params.is_greedy,
+            top_k=min(params.top_k, self.vocab_size),
+            use_top_p=params.top_p < 1.0,
+            constrained=transitions is not None,
+        )
+        fn = self._compiled.get(static)
+        if fn is None:
+            fn = self._build(static)
+            self._compiled[static] = fn
+        cache = self._init_cache(batch, prompt_bucket + params.max_new_tokens)
+        temperature = np.float32(params.temperature if params.temperature > 0 else 1.0)
+        out_tokens, out_logps, lengths, finished = fn(
+            state,
+            cache,
+            *self._place_batch(tokens, valid, row_limits, transitions),
+            key,
+            temperature,
+            np.float32(params.top_p),
+        )
+        out_tokens, out_logps = np.asarray(out_tokens), np.asarray(out_logps)
+        lengths, finished = np.asarray(lengths), np.asarray(finished)
+        toks = [out_tokens[r, : lengths[r]].copy() for r in range(n)]
+        lps = [out_logps[r, : lengths[r]].copy() for r in range(n)]
+        return toks, lps, finished[:n].copy(), batch
+
+    def _init_cache(self, batch: int, max_len: int):
+        """A zero cache (mesh: cache sharding), donated to the jitted loop and written in place."""
+        fn = self._init_cache_fns.get((batch, max_len))
+        if fn is None:
+            from mage_jax.models.transformer import init_cache
+
+            sharding = None
+            if self.mesh is not None:
+                from mage_jax.models.sharding import cache_sharding
+
+                sharding = cache_sharding(self.config, self.mesh, batch)
+            args = (self.config, batch, max_len, self.cache_dtype)
+            fn = jax.jit(functools.partial(init_cache, *args), out_shardings=sharding)
+            self._init_cache_fns[(batch, max_len)] = fn
+        return fn()
+
+    def _place_state(self, state):
+        if self.mesh is None and self.state_shardings is None:
+            return state
+        if self.state_shardings is None:
+            from mage_jax.models.sharding import param_shardings
+
+            self.state_shardings = param_shardings(state, self.mesh)
+        return jax.device_put(state, self.state_shardings)
+
+    def _place_batch(self, *arrays):
+        """Rows over the mesh's batch axes (replicated when the bucket does not divide them)."""
+        if self.mesh is None:
+            return arrays
+        from mage_jax.models.sharding import batch_sharding, replicated
+
+        rows_sharding = batch_sharding(self.mesh)
+        divisor = math.prod(self.mesh.shape[a] for a in rows_sharding.spec[0])
+        placed = []
+        for a in arrays:
+            if a is None:
+                placed.append(None)
+                continue
+            sharding = rows_sharding if a.shape[0] % divisor == 0 else replicated(self.mesh)
+            placed.append(jax.device_put(a, sharding))
+        return placed
+
+    def _build(self, static: _Static) -> Callable:
+        graphdef = self.graphdef
+        eos_ids = jnp.asarray(self.eos_ids, jnp.int32)
+        pad_id = self.pad_id
+
+        def run(state, cache, tokens, valid, limits, transitions, key, temperature, top_p):
+            self.compile_count += 1  # runs once per trace, i.e. once per compiled program
+            model = nnx.merge(graphdef, state)
+            batch, prompt_len = tokens.shape
+            max_len = cache.k.shape[2]
+            max_new = max_len - prompt_len
+            choose = functools.partial(
+                _choose,
+                temperature=temperature,
+                top_p=top_p,
+                greedy=static.greedy,
+                top_k=static.top_k,
+                use_top_p=static.use_top_p,
+            )
+
+            # Prefill: causal attention over the real prompt tokens; padding queries see only themselves
+            # so their (ignored) outputs stay finite.
+            slots = jnp.arange(max_len)
+            causal = slots[None, :] <= jnp.arange(prompt_len)[:, None]
+            kv_valid = jnp.pad(valid, ((0, 0), (0, max_new)))
+            mask = (kv_valid[:, None, :] & causal[None]) | (
+                slots[None, None, :] == jnp.arange(prompt_len)[None, :, None]
+            )
+            positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0).astype(jnp.int32)
+            hidden, cache = model(tokens, positions, mask, cache, jnp.int32(0))
+            logits = model.logits(hidden[:, -1:, :])[:, 0]
+            prompt_lens = valid.sum(axis=-1).astype(jnp.int32)
+
+            def pick(step, logits, auto_state, done):
+                """Choose token `step` for every row and update the bookkeeping."""
+                allowed = nxt = None
+                if static.constrained:
+                    allowed, nxt = _allowed_tokens(transitions, auto_state)
+                token, logp = choose(logits, allowed, jax.random.fold_in(key, step))
+                token = jnp.where(done, pad_id, token)
+                logp = jnp.where(done, 0.0, logp)
+                if static.constrained:
+                    auto_state = jnp.take_along_axis(nxt, token[:, None], axis=1)[:, 0]
+                hit_eos = (token[:, None] == eos_ids[None, :]).any(axis=-1) & ~done
+                return token, logp, auto_state, hit_eos
+
+            done0 = limits <= 0
+            out_tokens = jnp.full((batch, max_new), pad_id, jnp.int32)
+            out_logps = jnp.zeros((batch, max_new), jnp.float32)
+            auto0 = jnp.zeros((batch,), jnp.int32)
+            token, logp, auto_state, hit_eos = pick(jnp.int32(0), logits, auto0, done0)
+            lengths = jnp.where(done0, 0, 1).astype(jnp.int32)
+            finished = hit_eos
+            done = done0 | hit_eos | (lengths >= limits)
+            carry = (
+                jnp.int32(1),
+                cache,
+                token,
+                out_tokens.at[:, 0].set(token),
+                out_logps.at[:, 0].set(logp),
+                auto_state,
+                done,
+                finished,
+                lengths,
+            )
+
+            def cond(carry):
+                step, done = carry[0], carry[6]
+                return (step < max_new) & ~done.all()
+
+            def body(carry):
+                step, cache, prev, out_tokens, out_logps, auto_state, done, finished, lengths = carry
+                slot = prompt_len + step - 1  # the previous token goes into this cache slot
+                kv_mask = kv_valid | ((slots >= prompt_len) & (slots <= slot))[None, :]
+                pos = (prompt_lens + step - 1)[:, None]
+                hidden, cache = model(prev[:, None], pos, kv_mask[:, None, :], cache, slot)
+                logits = model.logits(hidden)[:, 0]
+                token, logp, auto_state, hit_eos = pick(step, logits, auto_state, done)
+                lengths = lengths + (~done).astype(jnp.int32)
+                finished = finished | hit_eos
+                done = done | hit_eos | (lengths >= limits)
+                out_tokens = jax.lax.dynamic_update_slice(out_tokens, token[:, None], (0, step))
+                out_logps = jax.lax.dynamic_update_slice(out_logps, logp[:, None], (0, step))
+                return step + 1, cache, token, out_tokens, out_logps, auto_state, done, finished, lengths
+
+            carry = jax.lax.while_loop(cond, body, carry)
+            _, cache, _, out_tokens, out_logps, _, _, finished, lengths = carry
+            return out_tokens, out_logps, lengths, finished, cache
+
+        jitted = jax.jit(run, donate_argnums=(1,))
+
+        def call(state, cache, tokens, valid, limits, transitions, key, temperature, top_p):
+            out_tokens, out_logps, lengths, finished, _ = jitted(
+                state, cache, tokens, valid, limits, transitions, key, temperature, top_p
+            )
+            return out_tokens, out_logps, lengths, finished
+
+        return call
+
+
+# ------------------------------------------------------------------------------------ host-side
+def truncate_at_stop_strings(
+    result: GenerationResult, decode: Callable[[Sequence[int]], str], stop_strings: Sequence[str]
+) -> tuple[GenerationResult, list[str]]:
+    """Cut each response after the first stop string in its decoded text (host side, after generation).
+
+    The tokens are cut at the shortest prefix whose text contains the stop string (the token that
+    completes it is kept), the row counts as finished, and the truncated texts are returned with the
+    new result. Rows without a stop string are unchanged.
+    """
+    tokens, logprobs, finished = list(result.tokens), list(result.logprobs), result.finished.copy()
+    texts = []
+    for r, ids in enumerate(result.tokens):
+        text = decode(ids)
+        hits = [(text.find(s), s) for s in stop_strings if s and s in text]
+        if not hits:
+            texts.append(text)
+            continue
+        pos, stop = min(hits)
+        end = pos + len(stop)
+        # The shortest token prefix whose text contains the stop string (binary search: monotone).
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if stop in decode(ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        cut = lo
+        tokens[r], logprobs[r], finished[r] = ids[:cut], result.logprobs[r][:cut], True
+        texts.append(text[:end])
+    return dataclasses.replace(result, tokens=tokens, logprobs=logprobs, finished=finished), texts
+
+
+def _sorted_buckets(buckets: Sequence[int], name: str) -> tuple[int, ...]:
+    out = tuple(sorted({int(b) for b in buckets}))
+    if not out or out[0] <= 0:
+        raise ValueError(f"{name} must be non-empty positive integers, got {tuple(buckets)!r}")
+    return out
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
