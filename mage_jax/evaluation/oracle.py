@@ -50,7 +50,7 @@ class KuhnMetaEpisode:
     opponent: str
     weight: float = 1.0
 
-    @property
+    @functools.cached_property
     def cards(self) -> tuple[int, int]:
         """(agent card, opponent card)."""
         return kuhn_deal(self.seed)
