@@ -16,8 +16,9 @@ Opponent assignment:
 Seats (two-player games): ``first`` (seat 0), ``second`` (seat 1) or ``mixed``. A seat is part of
 the task instance, so the ``G`` copies of a group always share it, in both grouping modes. In
 ``mixed`` mode, half of the groups of every opponent block (stationary) or of the iteration (mixed)
-sit second, in an order drawn afresh each iteration; with an odd count the extra group's seat is
-drawn at random. Single-agent tasks (``opponents=None``) get seat ``None``.
+sit second, in an order drawn afresh each iteration; the extra groups of odd blocks are split evenly
+too, so the batch as a whole is balanced to within one group. Single-agent tasks
+(``opponents=None``) get seat ``None``.
 
 Seeds: training task seeds are even, evaluation seeds odd, so the two streams never overlap for any
 configuration. Everything is a pure function of ``(seed, iteration)`` (training) or of
@@ -117,11 +118,12 @@ def largest_remainder_counts(ratios: Sequence[float], total: int) -> list[int]:
     return counts.tolist()
 
 
-def _balanced_seats(count: int, rng: np.random.Generator) -> list[int]:
-    """``count`` seats, half 0 and half 1 in random order; an odd extra seat is drawn at random."""
+def _balanced_seats(count: int, rng: np.random.Generator, extra: int | None = None) -> list[int]:
+    """``count`` seats, half 0 and half 1 in random order; an odd count's extra seat is ``extra``
+    (drawn at random when None)."""
     seats = [0] * (count // 2) + [1] * (count // 2)
     if count % 2:
-        seats.append(int(rng.integers(2)))
+        seats.append(int(rng.integers(2)) if extra is None else int(extra))
     return [int(s) for s in rng.permutation(seats)]
 
 
@@ -175,11 +177,14 @@ class TaskSampler:
             if fixed_seat is not None or not cfg.opponents:
                 group_seats = [fixed_seat] * B
             else:
-                # Balance seats inside each opponent block so every opponent is met from both seats.
+                # Balance seats inside each opponent block so every opponent is met from both seats;
+                # the extra groups of odd blocks come from one balanced draw, so the batch is too.
+                blocks = [[b for b in range(B) if group_opp[b] == name] for name in cfg.opponents]
+                extras = iter(_balanced_seats(sum(len(m) % 2 for m in blocks), rng))
                 group_seats: list[int | None] = [None] * B
-                for name in cfg.opponents:
-                    members = [b for b in range(B) if group_opp[b] == name]
-                    for b, seat in zip(members, _balanced_seats(len(members), rng)):
+                for members in blocks:
+                    extra = next(extras) if len(members) % 2 else None
+                    for b, seat in zip(members, _balanced_seats(len(members), rng, extra)):
                         group_seats[b] = seat
         else:  # mixed opponents inside a group
             if cfg.opponents:
