@@ -58,7 +58,7 @@ TIC_TAC_TOE_PROMPT_SPEC = PromptSpec(
         "left, for example <action>(2, 2)</action> for the centre. The cell must be empty."
     ),
     compact_preamble=(
-        "Tic-tac-toe. You are X, opponent is O, . is empty. Three in a line wins, full board draws. "
+        "Tic tac toe. You are X, opponent is O, . is empty. Three in a line wins, full board draws. "
         "Same start and opponent every trial. Answer <action>(row, col)</action>, row and col 1 to 3."
     ),
     action_format="<action>(row, col)</action> with row and col from 1 to 3",
