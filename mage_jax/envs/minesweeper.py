@@ -20,6 +20,7 @@ Observation: a header of column numbers, then one line per row: its number and o
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from functools import lru_cache
 from typing import Any, ClassVar
@@ -208,6 +209,11 @@ class MineSweeperEnv(TextEnv):
             ),
             action=f"({row}, {col})",
         )
+
+    def invalid_step(self, reason: str) -> StepResult:
+        """Nothing changes, reward 0; a finished episode stays finished (``done`` as before)."""
+        result = super().invalid_step(reason)
+        return dataclasses.replace(result, done=self._done)
 
     def legal_actions(self) -> list[str]:
         """Every hidden cell as ``"(row, col)"``, row-major."""

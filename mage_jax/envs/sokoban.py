@@ -23,6 +23,7 @@ moment the puzzle is solved or a dead end is reached (later moves of that turn a
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from functools import lru_cache
 from typing import Any, ClassVar
@@ -490,6 +491,11 @@ class SokobanEnv(TextEnv):
             ),
             action=", ".join(applied),
         )
+
+    def invalid_step(self, reason: str) -> StepResult:
+        """Nothing changes, reward 0; a finished episode stays finished (``done`` as before)."""
+        result = super().invalid_step(reason)
+        return dataclasses.replace(result, done=self._done)
 
     def legal_actions(self) -> list[str]:
         """Every sequence of 1 to 3 directions (84 texts; ``still`` is accepted but never needed)."""
