@@ -93,25 +93,31 @@ def positions_from_mask(mask: jax.Array) -> jax.Array:
 
 # ---------------------------------------------------------------------------- RoPE
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim/2] (float32), with linear or Llama-3 scaling applied."""
+    """Inverse frequencies [head_dim/2], with linear or Llama-3 scaling applied.
+
+    Computed in float32 step by step like the reference implementation, because at positions in
+    the thousands a one-ulp difference in a frequency is already visible in the logits.
+    """
+    f32 = np.float32
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    inv_freq = f32(1.0) / (f32(config.rope_theta) ** (np.arange(0, dim, 2).astype(f32) / f32(dim)))
     scaling = config.rope_scaling_dict
     if scaling is None:
-        return inv_freq.astype(np.float32)
+        return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
-    factor = float(scaling["factor"])
+    factor = f32(scaling["factor"])
     if kind == "linear":
-        return (inv_freq / factor).astype(np.float32)
+        return inv_freq / factor
     # llama3: keep high frequencies, divide low frequencies by `factor`, interpolate in between.
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    low, high = f32(scaling["low_freq_factor"]), f32(scaling["high_freq_factor"])
+    old_len = f32(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = f32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
+    smoothed = (f32(1) - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(f32)
 
 
 def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

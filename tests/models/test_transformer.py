@@ -1,0 +1,192 @@
+"""The NNX decoder against Hugging Face's PyTorch implementation, plus cache and mask semantics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mage_jax.models import (
+    ModelConfig,
+    Transformer,
+    init_cache,
+    make_attention_mask,
+    make_cached_attention_mask,
+    positions_from_mask,
+)
+from mage_jax.models.hf_loading import load_hf_model, load_hf_params
+
+from .conftest import hf_logits, jax_logits
+
+
+def _forward(model: Transformer, tokens, mask, positions) -> np.ndarray:
+    return jax_logits(model, tokens, mask, positions)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_fp32_logits_match_hugging_face_on_left_padded_batch(hf_checkpoint, left_padded_batch, arch, tie):
+    folder, hf_model = hf_checkpoint(arch, tie)
+    tokens, mask, positions = left_padded_batch
+    model = load_hf_model(folder)
+    assert model.config.architecture == arch and model.config.tie_word_embeddings == tie
+    ours = _forward(model, tokens, mask, positions)
+    ref = hf_logits(hf_model, tokens, mask, positions)
+    assert ours.dtype == np.float32 and ours.shape == (*tokens.shape, 97)
+    assert np.abs(ref[mask]).max() > 1.0  # the comparison is not between near-zero numbers
+    np.testing.assert_allclose(ours[mask], ref[mask], atol=1e-4, rtol=1e-4)
+
+
+def test_llama3_rope_scaling_matches_at_large_positions(hf_checkpoint, left_padded_batch):
+    folder, hf_model = hf_checkpoint("llama", False)
+    tokens, mask, positions = left_padded_batch
+    positions = positions + 900  # long wavelengths only matter far from the origin
+    model = load_hf_model(folder)
+    assert model.config.rope_scaling_dict["rope_type"] == "llama3"
+    ours = _forward(model, tokens, mask, positions)
+    ref = hf_logits(hf_model, tokens, mask, positions)
+    np.testing.assert_allclose(ours[mask], ref[mask], atol=1e-4, rtol=1e-4)
+    # Dropping the scaling changes the logits, so the check above really exercises it.
+    plain = load_hf_model(folder, dataclasses.replace(model.config, rope_scaling=None))
+    assert np.abs(_forward(plain, tokens, mask, positions) - ours)[mask].max() > 1e-2
+
+
+def test_cached_prefill_then_step_by_step_decoding_equals_full_forward(hf_checkpoint, left_padded_batch):
+    folder, _ = hf_checkpoint("qwen3", False)
+    tokens, mask, positions = left_padded_batch
+    model = load_hf_model(folder)
+    graphdef, state = nnx.split(model)
+    full = _forward(model, tokens, mask, positions)
+
+    @jax.jit
+    def run(state, tokens, positions, attn, cache, index):
+        m = nnx.merge(graphdef, state)
+        hidden, cache = m(tokens, positions, attn, cache, index)
+        return m.logits(hidden), cache
+
+    b, t = tokens.shape
+    max_len, prefill = 16, 6
+    cache = init_cache(model.config, b, max_len, jnp.float32)
+    assert cache.k.shape == (2, b, max_len, 2, 16)
+    valid = np.zeros((b, max_len), bool)
+    valid[:, :prefill] = mask[:, :prefill]
+    attn = make_cached_attention_mask(valid, 0, prefill)
+    logits, cache = run(state, tokens[:, :prefill], positions[:, :prefill], attn, cache, jnp.int32(0))
+    chunks = [np.asarray(logits)]
+    for i in range(prefill, t):
+        valid[:, i] = mask[:, i]
+        attn = make_cached_attention_mask(valid, i, 1)
+        logits, cache = run(state, tokens[:, i:i + 1], positions[:, i:i + 1], attn, cache, jnp.int32(i))
+        chunks.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(chunks, axis=1)[mask], full[mask], atol=1e-5, rtol=1e-5)
+    assert run._cache_size() == 2  # one prefill and one decode shape
+
+
+def test_greedy_decoding_with_cache_matches_hugging_face_generate(hf_checkpoint):
+    import torch
+
+    folder, hf_model = hf_checkpoint("qwen2", True)
+    graphdef, state = nnx.split(load_hf_model(folder))
+    prompt, new = [5, 17, 33, 2, 9], 6
+    max_len = len(prompt) + new
+
+    @jax.jit
+    def step(state, tokens, positions, valid, cache, index):
+        m = nnx.merge(graphdef, state)
+        attn = make_cached_attention_mask(valid, index, tokens.shape[1])
+        hidden, cache = m(tokens, positions, attn, cache, index)
+        return jnp.argmax(m.logits(hidden)[:, -1], axis=-1), cache
+
+    cache = init_cache(nnx.merge(graphdef, state).config, 1, max_len)
+    valid = np.zeros((1, max_len), bool)
+    valid[0, :len(prompt)] = True
+    nxt, cache = step(state, jnp.asarray([prompt]), jnp.arange(len(prompt))[None], valid, cache, 0)
+    out = [int(nxt[0])]
+    for i in range(len(prompt), max_len - 1):
+        valid[0, i] = True
+        nxt, cache = step(state, nxt[:, None], jnp.asarray([[i]]), valid, cache, i)
+        out.append(int(nxt[0]))
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
+                                do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert out == ref[0, len(prompt):].tolist()
+
+
+def test_bfloat16_computation_stays_close_to_float32(hf_checkpoint, left_padded_batch):
+    folder, _ = hf_checkpoint("qwen3", True)
+    tokens, mask, positions = left_padded_batch
+    fp32 = load_hf_model(folder)
+    bf16_config = dataclasses.replace(fp32.config, param_dtype="bfloat16", dtype="bfloat16")
+    bf16 = load_hf_model(folder, bf16_config)
+    assert bf16.embed.embedding.value.dtype == jnp.bfloat16
+    assert bf16.head_weight().dtype == jnp.bfloat16
+    hidden = jax.eval_shape(lambda: bf16(tokens, positions, make_attention_mask(mask))[0])
+    assert hidden.dtype == jnp.bfloat16
+    logits = _forward(bf16, tokens, mask, positions)
+    assert logits.dtype == np.float32
+    ref = _forward(fp32, tokens, mask, positions)
+    err = np.abs(logits - ref)[mask]
+    assert err.max() < 0.25 and err.mean() < 0.05
+    assert (logits.argmax(-1) == ref.argmax(-1))[mask].mean() > 0.9
+
+
+def test_head_weight_is_the_transposed_embedding_when_tied(hf_checkpoint):
+    tied = load_hf_model(hf_checkpoint("qwen3", True)[0])
+    np.testing.assert_array_equal(tied.head_weight(), tied.embed.embedding.value.T)
+    assert "lm_head" not in nnx.to_pure_dict(nnx.state(tied))
+    untied = load_hf_model(hf_checkpoint("qwen3", False)[0])
+    assert untied.head_weight().shape == (64, 97)
+    np.testing.assert_array_equal(untied.head_weight(), untied.lm_head.kernel.value)
+
+
+def test_remat_changes_neither_outputs_nor_gradients(hf_checkpoint, left_padded_batch):
+    folder = hf_checkpoint("qwen3", False)[0]
+    tokens, mask, positions = left_padded_batch
+    config, graphdef, state = load_hf_params(folder)
+    _, remat_graphdef, _ = load_hf_params(folder, dataclasses.replace(config, remat=True))
+
+    def loss(state, graphdef):
+        m = nnx.merge(graphdef, state)
+        hidden, _ = m(tokens, positions, make_attention_mask(mask))
+        return jnp.mean(m.logits(hidden) ** 2)
+
+    plain = jax.jit(jax.value_and_grad(loss), static_argnums=1)(state, graphdef)
+    remat = jax.jit(jax.value_and_grad(loss), static_argnums=1)(state, remat_graphdef)
+    np.testing.assert_allclose(plain[0], remat[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(remat[1])):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_attention_mask_is_causal_and_hides_padding_and_other_segments():
+    mask = np.asarray(make_attention_mask(jnp.asarray([[0, 1, 1, 1]], bool)))[0]
+    expected = np.array([[0, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]], bool)
+    np.testing.assert_array_equal(mask, expected)
+    packed = np.asarray(make_attention_mask(jnp.asarray([[1, 1, 2, 2]])))[0]
+    np.testing.assert_array_equal(packed[3], [False, False, True, True])
+    bidirectional = np.asarray(make_attention_mask(jnp.asarray([[1, 1, 0]], bool), causal=False))[0]
+    np.testing.assert_array_equal(bidirectional[0], [True, True, False])
+
+
+def test_positions_count_real_tokens_from_zero():
+    positions = positions_from_mask(jnp.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], bool))
+    np.testing.assert_array_equal(positions, [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
+
+
+def test_cached_mask_lets_each_new_token_see_valid_slots_up_to_its_own():
+    valid = jnp.asarray([[False, True, True, True, True, False]])
+    mask = np.asarray(make_cached_attention_mask(valid, 3, 2))[0]
+    np.testing.assert_array_equal(mask, [[0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 0]])
+
+
+def test_wrong_mask_shape_is_a_clear_error():
+    config = ModelConfig.preset("tiny", vocab_size=40, num_layers=1)
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))  # the check precedes any math
+    tokens = jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        model(tokens, tokens, jnp.ones((2, 3, 5), bool))
+    with pytest.raises(ValueError, match="cache_index is required"):
+        model(tokens, tokens, jnp.ones((2, 3, 8), bool), init_cache(config, 2, 8))
