@@ -54,18 +54,19 @@ class EpisodeRecord:
 # Small text helpers
 
 
-# A minus sign belongs to a number only when it does not follow a word ("reward -0.1", not "row-1").
+# A sign belongs to a number only when it does not follow a word ("reward -0.1", "+10", not "row-1").
 # XML-like tags (``<action>``) stay whole.
 _TAG = r"</?[A-Za-z_][A-Za-z0-9_\-]*>"
-_TOKEN = re.compile(_TAG + r"|(?<!\w)-\d+(?:\.\d+)?|\d+(?:\.\d+)?|[^\W\d_]+|\S")
+_TOKEN = re.compile(_TAG + r"|(?<!\w)[-+]\d+(?:\.\d+)?|\d+(?:\.\d+)?|[^\W\d_]+(?:'[^\W\d_]+)*|\S")
 _GRID_TOKEN = re.compile(_TAG + r"|\d+|\S")
 
 
-def compact_text(text: str) -> str:
+def compact_text(text: str, *, board: bool = False) -> str:
     """Split every line into words, numbers and single symbols joined by one space; keep line breaks.
 
-    A line without any whitespace is a board row (``"0:#_OXP"``, ``"XXO"``): every character of it
-    is a token (digit runs stay whole). Other lines split into words, numbers and symbols:
+    With ``board=True`` (observations), a line without any whitespace is a board row (``"0:#_OXP"``,
+    ``"XXO"``): every character of it is a token (digit runs stay whole). Other lines (and all lines
+    of other text, such as actions like ``BET``) split into words, numbers and symbols:
     ``"(1, 2) reward -0.1"`` -> ``"( 1 , 2 ) reward -0.1"``. Idempotent, so it may be applied to
     text that is already compact (for example a reflection a compact model wrote).
     """
@@ -74,7 +75,7 @@ def compact_text(text: str) -> str:
         line = line.strip()
         if not line:
             continue
-        pattern = _TOKEN if any(ch.isspace() for ch in line) else _GRID_TOKEN
+        pattern = _GRID_TOKEN if board and not any(ch.isspace() for ch in line) else _TOKEN
         out.append(" ".join(pattern.findall(line)))
     return "\n".join(out)
 
@@ -113,10 +114,10 @@ def _render_move(turn: int, move: Move, with_observation: bool, style: str, curr
             return f"turn {turn} : {action}"
         return (
             f"turn {turn} : {action} ; reward {format_reward(move.reward)} ; obs :\n"
-            f"{compact_text(move.observation)}"
+            f"{compact_text(move.observation, board=True)}"
         )
     valid = move.valid and move.action is not None
-    action = f"action {move.action}" if valid else "invalid action (nothing changed)"
+    action = f'action "{move.action}"' if valid else "invalid action (nothing changed)"
     if not with_observation:
         return f"Turn {turn}: {action}"
     label = "Observation after it (the current state)" if current else "Observation after it"
@@ -214,7 +215,7 @@ def _answer_format(spec: PromptSpec) -> str:
 
 def _initial(initial_observation: str, style: str) -> str:
     if style == "compact":
-        return "start :\n" + compact_text(initial_observation)
+        return "start :\n" + compact_text(initial_observation, board=True)
     return "The initial state of the task (the same at the start of every trial):\n" + initial_observation
 
 
@@ -267,7 +268,7 @@ def render_reflect_prompt(spec: PromptSpec, initial_observation: str, last: Epis
     sections.append(render_trajectory(last, episode, style=style, window=spec.history_window))
     if privileged:
         if style == "compact":
-            sections.append("revealed : " + compact_text(privileged))
+            sections.append("revealed : " + compact_text(privileged, board=True))
         else:
             sections.append("Revealed after the trial: " + privileged.strip())
     if style == "compact":

@@ -1,5 +1,8 @@
 """Play / reflect prompt rendering and memory (spec section 3)."""
 
+import os
+from pathlib import Path
+
 import pytest
 
 from mage_jax.envs.base import PromptSpec
@@ -73,7 +76,7 @@ def test_memory_is_empty_text_before_the_first_reflection():
 def test_play_prompt_shows_last_window_moves_and_observations_of_the_two_most_recent():
     text = render_play_prompt(SPEC, "INITIAL", [], 0, _moves(5, "cur"))
     assert "Turn 1:" not in text and "Turn 2:" not in text  # W = 3
-    assert "Turn 3: action go 3" in text and "cur state 3" not in text
+    assert 'Turn 3: action "go 3"' in text and "cur state 3" not in text
     assert "cur state 4" in text and "cur state 5" in text
     assert "your last 3 of 5 turns" in text
     assert "Observation after it (the current state):\ncur state 5" in text
@@ -100,10 +103,11 @@ def test_invalid_moves_render_as_invalid_without_an_action():
 
 
 def test_compact_text_separates_numbers_and_symbols_and_is_idempotent():
-    assert compact_text("0:#_OX√") == "0 : # _ O X √"
+    assert compact_text("0:#_OX√", board=True) == "0 : # _ O X √"
+    assert compact_text("BET") == "BET" and compact_text("Opponent's card") == "Opponent's card"
     assert compact_text("(1, 2) reward -0.1 row-1") == "( 1 , 2 ) reward -0.1 row - 1"
-    once = compact_text("Your Card: Queen | Player 0: Pass -> Bet\n\n1 ? 2")
-    assert compact_text(once) == once and "\n" in once
+    once = compact_text("Your Card: Queen | Player 0: Pass -> Bet\n\n1 ? 2\nX.O", board=True)
+    assert compact_text(once, board=True) == once and once.endswith("\nX . O")
 
 
 def test_compact_prompt_has_no_decorative_sentences():
@@ -124,3 +128,91 @@ def test_unknown_memory_mode_or_style_is_one_clear_error():
         render_play_prompt(SPEC, "I", [], 0, [], memory_mode="everything")
     with pytest.raises(ValueError, match="style"):
         render_reflect_prompt(SPEC, "I", _record(), 0, style="tiny")
+
+
+# -- golden snapshots ---------------------------------------------------------------------------
+# One play prompt per environment, memory mode and style, and one reflect prompt per environment and
+# style, rendered from a scripted meta-episode (episode 0 finished and reflected on, episode 1 under
+# way) and compared exactly with tests/envs/golden/*.txt. After an intended change, regenerate with
+#     UPDATE_GOLDEN=1 python -m pytest tests/envs/test_prompts.py
+# and read the diff of the .txt files before committing them.
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+GOLDEN_ENVS = ["kuhn_poker", "tic_tac_toe", "sokoban", "minesweeper"]
+REFLECTION = "I moved without a plan. Next time: check the board first, then take the safest move."
+
+
+def _script(name: str, env) -> tuple[list[str], list[str]]:
+    """Responses of episode 0 and of episode 1 so far (raw model text, some invalid on purpose)."""
+    if name == "kuhn_poker":
+        return ["<think>A Queen is worth a bet.</think> <action>BET</action>"], ["I pass.", "<action>PASS</action>"]
+    if name == "tic_tac_toe":
+        return (
+            ["<action>(1, 2)</action>", "<action>(3, 2)</action>", "<action>(2, 2)</action>",
+             "<action>(1, 3)</action>", "<action>(2, 1)</action>"],
+            ["<action>(1, 1)</action>", "(3, 3)", "<action>(3, 3)</action>"],
+        )
+    if name == "sokoban":
+        return (
+            ["<action>up, left</action>", "<action>jump</action>", "<action>down, down, right</action>",
+             "<action>left, up, up</action>", "<action>right</action>", "<action>up, up</action>",
+             "<action>left, left, down</action>"],
+            ["<action>left</action>", "<action>Up, Right</action>", "no tags"],
+        )
+    mine = min(env.board.mines)
+    return (
+        ["<action>(1, 1)</action>", "<action>(6, 6)</action>", "<action>(9, 9)</action>",
+         f"<action>({mine // 6 + 1}, {mine % 6 + 1})</action>"],
+        ["<action>(6, 6)</action>", "<action>(6, 6)</action>", "<action>(1, 1)</action>"],
+    )
+
+
+def _scenario(name: str):
+    from mage_jax.envs import make_env, registered_envs
+
+    if name not in registered_envs():
+        pytest.skip(f"{name} is not registered")
+    reset_kwargs = {
+        "kuhn_poker": {"opponent": "intermediate", "seat": 0},  # seed 5: Queen against King
+        "tic_tac_toe": {"opponent": "preferred-1", "seat": 0},
+    }.get(name, {})
+    env = make_env(name)
+    initial = env.reset(5, **reset_kwargs)
+    first, second = _script(name, env)
+    moves = []
+    for response in first:
+        result = env.step(response)
+        moves.append(Move(result.action, result.observation, result.reward, result.info.valid))
+        if result.done:
+            break
+    record = EpisodeRecord(tuple(moves), sum(m.reward for m in moves), bool(result.info.won), REFLECTION)
+    privileged = env.privileged_observation()
+    assert env.restart() == initial
+    current = []
+    for response in second:
+        result = env.step(response)
+        current.append(Move(result.action, result.observation, result.reward, result.info.valid))
+    return env.prompt_spec, initial, record, current, privileged
+
+
+def _check_golden(filename: str, text: str) -> None:
+    path = GOLDEN_DIR / filename
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN_DIR.mkdir(exist_ok=True)
+        path.write_text(text + "\n", encoding="utf-8")
+        return
+    assert path.exists(), f"missing {path}; create it with UPDATE_GOLDEN=1 python -m pytest {__file__}"
+    assert text + "\n" == path.read_text(encoding="utf-8"), (
+        f"{filename} changed; if intended, regenerate with UPDATE_GOLDEN=1 and review the diff"
+    )
+
+
+@pytest.mark.parametrize("style", ["full", "compact"])
+@pytest.mark.parametrize("name", GOLDEN_ENVS)
+def test_golden_prompts(name, style):
+    spec, initial, record, current, privileged = _scenario(name)
+    for mode in MEMORY_MODES:
+        text = render_play_prompt(spec, initial, [record], 1, current, memory_mode=mode, style=style)
+        _check_golden(f"{name}__play__{mode}__{style}.txt", text)
+    text = render_reflect_prompt(spec, initial, record, 0, style=style, privileged=privileged)
+    _check_golden(f"{name}__reflect__{style}.txt", text)
