@@ -1,9 +1,9 @@
 """Advantage estimators over flat per-row arrays, in a registry by name (spec section 5).
 
 ``compute_advantages(name, rows, cfg)`` returns one float32 advantage per row (0 on padding rows);
-the trainer broadcasts it to every response token of the row. Every estimator is jit-compiled
-with the (frozen, hashable) ``AdvantageConfig`` as a static argument, so a run with one config
-compiles once per batch size R.
+the trainer broadcasts it to every response token of the row. ``AdvantageConfig`` is the checked,
+user-facing settings; estimators receive it as ``AdvantageParams`` (traced scalars), so each
+estimator compiles once per batch size R whatever the settings.
 
 Registered estimators:
   * ``gigpo`` (MAGE, LaMer, GiGPO): A = A_ep + ω·A_step with A_ep = e − mean(e over all rows of the
@@ -31,10 +31,10 @@ import jax.numpy as jnp
 from mage_jax.algorithms.returns import (
     REWARD_DESIGNS,
     RowBatch,
+    _meta_episode_returns,
+    _meta_rewards,
+    _row_penalties,
     dense_ids,
-    meta_episode_returns,
-    meta_rewards,
-    row_penalties,
     segment_count,
     step_returns,
 )
@@ -79,6 +79,39 @@ class AdvantageConfig:
         """γ_traj, forced to 0 by the single-episode design (no propagation across episodes)."""
         return 0.0 if self.reward_design == "single_episode" else self.gamma_traj
 
+    def params(self) -> AdvantageParams:
+        """The config as a pytree of scalars: what the jitted estimators receive."""
+        f32 = lambda x: jnp.asarray(x, jnp.float32)
+        return AdvantageParams(
+            differential=jnp.asarray(self.reward_design == "differential"),
+            gamma_step=f32(self.gamma_step),
+            gamma_traj=f32(self.effective_gamma_traj),
+            omega=f32(self.omega),
+            std_norm=jnp.asarray(self.norm == "mean_std_norm"),
+            local_anchor=jnp.asarray(self.anchor == "local"),
+            invalid_penalty=f32(self.invalid_penalty),
+            length_penalty=f32(self.length_penalty),
+            max_response_length=f32(self.max_response_length if self.length_penalty > 0 else 0),
+            epsilon=f32(self.epsilon),
+        )
+
+
+@flax.struct.dataclass
+class AdvantageParams:
+    """An ``AdvantageConfig`` as traced scalars, so that changing any setting (ablations in one
+    process) reuses the compiled estimator: one compilation per estimator and batch size R."""
+
+    differential: jax.Array  # bool: differential reward design
+    gamma_step: jax.Array
+    gamma_traj: jax.Array  # already 0 for the single-episode design
+    omega: jax.Array
+    std_norm: jax.Array  # bool: mean_std_norm
+    local_anchor: jax.Array  # bool: anchors are (anchor, episode)
+    invalid_penalty: jax.Array
+    length_penalty: jax.Array
+    max_response_length: jax.Array  # 0: no length penalty
+    epsilon: jax.Array
+
 
 @flax.struct.dataclass
 class Credit:
@@ -90,53 +123,54 @@ class Credit:
     step_return: jax.Array  # G
 
 
-def _credit(rows: RowBatch, cfg: AdvantageConfig) -> Credit:
-    d = meta_rewards(rows, cfg.reward_design)
-    max_len = cfg.max_response_length if cfg.length_penalty > 0 else None
-    penalty = row_penalties(
-        rows, invalid_penalty=cfg.invalid_penalty, length_penalty=cfg.length_penalty,
-        max_response_length=max_len,
-    )
-    g = step_returns(rows, d, gamma_step=cfg.gamma_step, gamma_traj=cfg.effective_gamma_traj)
+def _penalties(rows: RowBatch, p: AdvantageParams) -> jax.Array:
+    return _row_penalties(rows, p.invalid_penalty, p.length_penalty, p.max_response_length)
+
+
+@jax.jit
+def _credit(rows: RowBatch, p: AdvantageParams) -> Credit:
+    d = _meta_rewards(rows, p.differential)
+    penalty = _penalties(rows, p)
+    g = step_returns(rows, d, gamma_step=p.gamma_step, gamma_traj=p.gamma_traj)
     return Credit(meta_reward=d, penalty=penalty, score=d - penalty, step_return=g)
 
 
-credit = jax.jit(_credit, static_argnums=1)
-credit.__doc__ = "Per-row d_n, penalty, row score e and step return G (a ``Credit``), for logging."
+def credit(rows: RowBatch, cfg: AdvantageConfig | None = None) -> Credit:
+    """Per-row d_n, penalty, row score e and step return G (for logging and custom estimators)."""
+    return _credit(rows, (cfg or AdvantageConfig()).params())
 
 
-def centre(x: jax.Array, pool: jax.Array, weight: jax.Array, *, std_norm: bool, epsilon: float) -> jax.Array:
+def centre(x: jax.Array, pool: jax.Array, weight: jax.Array, *, std_norm, epsilon) -> jax.Array:
     """x minus the mean of its pool (rows with equal ``pool`` id and ``weight`` set).
 
-    With ``std_norm`` the result is divided by (std + ε): unbiased std, std := 1 for a pool of one.
-    A pool of one therefore gives 0. Rows without ``weight`` get the statistics of their pool too.
+    With ``std_norm`` (may be traced) the result is divided by (std + ε): unbiased std, std := 1 for
+    a pool of one; a pool of one therefore gives 0. Rows without ``weight`` get their pool's
+    statistics too.
     """
     nseg = x.shape[0] + 1
     w = weight.astype(jnp.float32)
     count = segment_count(pool, weight)
     mean = jax.ops.segment_sum(x * w, pool, nseg) / jnp.maximum(count, 1.0)
     deviation = x - mean[pool]
-    if not std_norm:
-        return deviation
     square = jax.ops.segment_sum(deviation**2 * w, pool, nseg)
     std = jnp.where(count > 1, jnp.sqrt(square / jnp.maximum(count - 1.0, 1.0)), 1.0)
-    return deviation / (std[pool] + epsilon)
+    return jnp.where(std_norm, deviation / (std[pool] + epsilon), deviation)
 
 
 # ------------------------------------------------------------------------------------------------
 # Registry
 
-AdvantageFn = Callable[[RowBatch, AdvantageConfig], jax.Array]
+AdvantageFn = Callable[[RowBatch, AdvantageParams], jax.Array]
 _REGISTRY: dict[str, AdvantageFn] = {}
 
 
 def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register ``fn(rows, cfg) -> float32[R]`` under ``name``; it is jitted with cfg static."""
+    """Register ``fn(rows, params: AdvantageParams) -> float32[R]`` under ``name`` (jitted here)."""
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         if name in _REGISTRY:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        _REGISTRY[name] = jax.jit(fn, static_argnums=1)
+        _REGISTRY[name] = jax.jit(fn)
         return fn
 
     return decorator
@@ -147,7 +181,7 @@ def available_advantages() -> tuple[str, ...]:
 
 
 def advantage_fn(name: str) -> AdvantageFn:
-    """The jitted estimator registered under ``name``."""
+    """The jitted estimator registered under ``name``: ``fn(rows, cfg.params())``."""
     if name not in _REGISTRY:
         known = ", ".join(available_advantages())
         raise ValueError(f"unknown advantage estimator {name!r}; available: {known}")
@@ -156,7 +190,7 @@ def advantage_fn(name: str) -> AdvantageFn:
 
 def compute_advantages(name: str, rows: RowBatch, cfg: AdvantageConfig | None = None) -> jax.Array:
     """Per-row advantages of the estimator ``name`` (float32[R], 0 on padding rows)."""
-    return advantage_fn(name)(rows, AdvantageConfig() if cfg is None else cfg)
+    return advantage_fn(name)(rows, (cfg or AdvantageConfig()).params())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -164,32 +198,24 @@ def compute_advantages(name: str, rows: RowBatch, cfg: AdvantageConfig | None = 
 
 
 @register_advantage("gigpo")
-def gigpo(rows: RowBatch, cfg: AdvantageConfig) -> jax.Array:
+def gigpo(rows: RowBatch, p: AdvantageParams) -> jax.Array:
     """A = A_ep + ω·A_step; episode pool = all rows of the group, step pool = anchor cluster."""
-    c = _credit(rows, cfg)
-    std_norm = cfg.norm == "mean_std_norm"
+    c = _credit(rows, p)
     group = dense_ids(rows.group, mask=rows.mask)
-    if cfg.anchor == "global":
-        cluster = dense_ids(rows.group, rows.anchor, mask=rows.mask)
-    else:
-        cluster = dense_ids(rows.group, rows.anchor, rows.episode, mask=rows.mask)
-    a_episode = centre(c.score, group, rows.mask, std_norm=std_norm, epsilon=cfg.epsilon)
-    a_step = centre(c.step_return, cluster, rows.mask, std_norm=std_norm, epsilon=cfg.epsilon)
-    return jnp.where(rows.mask, a_episode + cfg.omega * a_step, 0.0)
+    episode_key = jnp.where(p.local_anchor, rows.episode, 0)
+    cluster = dense_ids(rows.group, rows.anchor, episode_key, mask=rows.mask)
+    a_episode = centre(c.score, group, rows.mask, std_norm=p.std_norm, epsilon=p.epsilon)
+    a_step = centre(c.step_return, cluster, rows.mask, std_norm=p.std_norm, epsilon=p.epsilon)
+    return jnp.where(rows.mask, a_episode + p.omega * a_step, 0.0)
 
 
-def _meta_episode_scores(rows: RowBatch, cfg: AdvantageConfig):
-    """Per-row score of its meta-episode (Σ d − Σ penalties), meta ids, group ids, representatives."""
+def _meta_episode_scores(rows: RowBatch, p: AdvantageParams):
+    """Per-row score of its meta-episode (Σ d − Σ penalties), group ids, one representative row each."""
     num_rows = rows.num_rows
     meta = dense_ids(rows.group, rows.meta_episode, mask=rows.mask)
     group = dense_ids(rows.group, mask=rows.mask)
-    max_len = cfg.max_response_length if cfg.length_penalty > 0 else None
-    penalty = row_penalties(
-        rows, invalid_penalty=cfg.invalid_penalty, length_penalty=cfg.length_penalty,
-        max_response_length=max_len,
-    )
-    penalty_sum = jax.ops.segment_sum(penalty, meta, num_rows + 1)[meta]
-    score = meta_episode_returns(rows, cfg.reward_design) - penalty_sum
+    penalty_sum = jax.ops.segment_sum(_penalties(rows, p), meta, num_rows + 1)[meta]
+    score = _meta_episode_returns(rows, p.differential) - penalty_sum
     # One representative row per meta-episode, so each meta-episode counts once in its group's pool.
     position = jnp.arange(num_rows)
     first = jax.ops.segment_min(position, meta, num_rows + 1)
@@ -198,17 +224,17 @@ def _meta_episode_scores(rows: RowBatch, cfg: AdvantageConfig):
 
 
 @register_advantage("grpo")
-def grpo(rows: RowBatch, cfg: AdvantageConfig) -> jax.Array:
+def grpo(rows: RowBatch, p: AdvantageParams) -> jax.Array:
     """Group-normalised meta-episode score, broadcast to the rows of the meta-episode."""
-    score, group, representative = _meta_episode_scores(rows, cfg)
-    a = centre(score, group, representative, std_norm=cfg.norm == "mean_std_norm", epsilon=cfg.epsilon)
+    score, group, representative = _meta_episode_scores(rows, p)
+    a = centre(score, group, representative, std_norm=p.std_norm, epsilon=p.epsilon)
     return jnp.where(rows.mask, a, 0.0)
 
 
 @register_advantage("rloo")
-def rloo(rows: RowBatch, cfg: AdvantageConfig) -> jax.Array:
+def rloo(rows: RowBatch, p: AdvantageParams) -> jax.Array:
     """Score minus the mean score of the other meta-episodes of the group (0 for a group of one)."""
-    score, group, representative = _meta_episode_scores(rows, cfg)
+    score, group, representative = _meta_episode_scores(rows, p)
     nseg = rows.num_rows + 1
     count = segment_count(group, representative)[group]
     total = jax.ops.segment_sum(jnp.where(representative, score, 0.0), group, nseg)[group]
