@@ -1,0 +1,166 @@
+"""Hugging Face folder <-> parameter state: round trips, sharded checkpoints and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from mage_jax.models.hf_loading import export_hf, hf_name_map, load_hf_model, load_hf_params
+
+from .conftest import hf_logits, jax_logits
+
+
+def _copy(folder: str, tmp_path, name: str = "ckpt") -> str:
+    dst = tmp_path / name
+    shutil.copytree(folder, dst)
+    return str(dst)
+
+
+def _rewrite(folder: str, edit) -> None:
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _edit_config(folder: str, **changes) -> None:
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+@pytest.mark.parametrize(("arch", "tie"), [("qwen3", False), ("llama", True)])
+def test_export_then_transformers_from_pretrained_gives_the_same_logits(
+    hf_checkpoint, left_padded_batch, tmp_path, arch, tie
+):
+    import transformers
+
+    folder, hf_model = hf_checkpoint(arch, tie)
+    tokens, mask, positions = left_padded_batch
+    config, _, state = load_hf_params(folder)
+    export_hf(state, config, tmp_path / "export")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert type(reloaded) is type(hf_model)
+    ref = hf_logits(hf_model, tokens, mask, positions)
+    np.testing.assert_allclose(hf_logits(reloaded, tokens, mask, positions)[mask], ref[mask], atol=1e-6)
+
+
+def test_sharded_checkpoint_with_index_loads_the_same_parameters(hf_checkpoint, tmp_path):
+    folder, _ = hf_checkpoint("qwen3", False)
+    config, _, state = load_hf_params(folder)
+    export_hf(state, config, tmp_path / "sharded", max_shard_bytes=40_000)
+    files = sorted(os.listdir(tmp_path / "sharded"))
+    assert "model.safetensors.index.json" in files
+    assert sum(f.endswith(".safetensors") for f in files) > 2
+    _, _, again = load_hf_params(tmp_path / "sharded")
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bfloat16_checkpoint_loads_into_float32_and_bfloat16(hf_checkpoint, left_padded_batch, tmp_path):
+    import torch
+    from safetensors import safe_open
+
+    _, hf_model = hf_checkpoint("qwen2", False)
+    tokens, mask, positions = left_padded_batch
+    bf16_weights = {k: v.to(torch.bfloat16) for k, v in hf_model.state_dict().items()}
+    rounded = type(hf_model)(hf_model.config).eval()  # float32 model holding the bf16-rounded weights
+    rounded.load_state_dict({k: v.float() for k, v in bf16_weights.items()})
+    rounded.save_pretrained(tmp_path / "bf16", state_dict=bf16_weights, safe_serialization=True)
+    with safe_open(tmp_path / "bf16" / "model.safetensors", framework="numpy") as f:
+        assert f.get_tensor("model.norm.weight").dtype == jnp.bfloat16
+
+    model = load_hf_model(tmp_path / "bf16", dtype="float32")
+    assert model.config.param_dtype == "float32"
+    ours = jax_logits(model, tokens, mask, positions)
+    ref = hf_logits(rounded, tokens, mask, positions)
+    np.testing.assert_allclose(ours[mask], ref[mask], atol=1e-4, rtol=1e-4)
+    as_bf16 = load_hf_model(tmp_path / "bf16", dtype="bfloat16")
+    assert as_bf16.config.param_dtype == "bfloat16"
+    assert as_bf16.embed.embedding.value.dtype == jnp.bfloat16
+
+
+def test_every_parameter_has_exactly_one_hugging_face_name(hf_checkpoint):
+    folder, hf_model = hf_checkpoint("qwen2", False)
+    config, _, state = load_hf_params(folder)
+    names = hf_name_map(config)
+    assert len({n for n, _ in names.values()}) == len(names) == len(jax.tree.leaves(state))
+    assert {n for n, _ in names.values()} == set(hf_model.state_dict())
+
+
+def test_missing_tensor_is_named(hf_checkpoint, tmp_path):
+    folder = _copy(hf_checkpoint("qwen3", False)[0], tmp_path)
+    _rewrite(folder, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_norm\.weight'"):
+        load_hf_params(folder)
+
+
+def test_wrong_shape_is_named(hf_checkpoint, tmp_path):
+    folder = _copy(hf_checkpoint("qwen3", False)[0], tmp_path)
+
+    def widen(t):
+        t["model.layers.0.mlp.up_proj.weight"] = np.zeros((129, 64), np.float32)
+
+    _rewrite(folder, widen)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(129, 64\), "
+                                         r"expected \(128, 64\)"):
+        load_hf_params(folder)
+
+
+def test_unexpected_tensor_is_named(hf_checkpoint, tmp_path):
+    folder = _copy(hf_checkpoint("llama", False)[0], tmp_path)
+
+    def add(t):
+        t["model.layers.2.mlp.up_proj.weight"] = np.zeros((128, 64), np.float32)
+
+    _rewrite(folder, add)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.2\.mlp\.up_proj\.weight'"):
+        load_hf_params(folder)
+
+
+def test_unknown_architecture_and_unsupported_options_are_refused(hf_checkpoint, tmp_path):
+    folder = _copy(hf_checkpoint("qwen3", False)[0], tmp_path)
+    _edit_config(folder, architectures=["MistralForCausalLM"], model_type="mistral")
+    with pytest.raises(ValueError, match="unsupported architecture 'MistralForCausalLM'"):
+        load_hf_params(folder)
+    _edit_config(folder, architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=True)
+    with pytest.raises(ValueError, match="sliding-window"):
+        load_hf_params(folder)
+
+
+def test_folders_without_safetensors_or_config_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_hf_params(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        load_hf_params(tmp_path / "empty")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
+    (pickled / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 4,
+    }))
+    with pytest.raises(ValueError, match=r"no \*\.safetensors files"):
+        load_hf_params(pickled)
+
+
+def test_export_accepts_a_module_and_refuses_foreign_state(hf_checkpoint, tmp_path):
+    model = load_hf_model(hf_checkpoint("qwen3", True)[0])
+    export_hf(model, model.config, tmp_path / "module")
+    assert (tmp_path / "module" / "config.json").exists()
+    state = nnx.state(model)
+    state["extra"] = nnx.Param(jnp.zeros(3))
+    with pytest.raises(ValueError, match="parameter 'extra' has no Hugging Face name"):
+        export_hf(state, model.config, tmp_path / "bad")
