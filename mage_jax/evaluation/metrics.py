@@ -104,8 +104,10 @@ def compute_metrics(
     outcomes = list(outcomes)
     if not outcomes:
         raise ValueError("no meta-episode outcomes to compute metrics from")
-    longest = max(len(_field(o, "rewards", None) or []) for o in outcomes)
-    K = longest if num_episodes is None else int(num_episodes)
+    for o in outcomes:
+        if not _field(o, "rewards", None):
+            raise ValueError(f"meta-episode {_field(o, 'meta_episode')!r} ran no episode; nothing to measure")
+    K = max(len(_field(o, "rewards")) for o in outcomes) if num_episodes is None else int(num_episodes)
     if K < 1:
         raise ValueError(f"num_episodes must be at least 1, got {num_episodes!r}")
 

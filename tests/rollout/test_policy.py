@@ -1,0 +1,96 @@
+"""Policies: the scripted one for tests and baselines, and the adapter over the real tokenizer + sampler."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mage_jax.models.config import ModelConfig
+from mage_jax.models.transformer import Transformer
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.policy import GenerationRequest, LLMPolicy, Policy, ScriptedPolicy
+from mage_jax.rollout.rows import pack_rows
+from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+from mage_jax.sampling import Sampler, SamplingParams, TokenAutomaton
+from mage_jax.tokenizer import Tokenizer
+
+ACTIONS = ("<action>PASS</action>", "<action>BET</action>")
+
+
+def test_scripted_policy_answers_in_order_records_calls_and_obeys_constraints():
+    policy = ScriptedPolicy(lambda p: p.upper())
+    assert isinstance(policy, Policy)
+    out = policy.generate([GenerationRequest("ab"), GenerationRequest("c", ACTIONS)])
+    assert [g.text for g in out] == ["AB", ACTIONS[0]]  # "C" is not allowed: the first completion is forced
+    assert list(out[0].response_ids) == list(b"AB") and list(out[0].logprobs) == [0.0, 0.0]
+    assert policy.prompt_lengths(["abc", ""]) == [3, 0]
+    assert [[r.prompt for r in call] for call in policy.calls] == [["ab", "c"]]
+
+
+@pytest.fixture(scope="module")
+def kuhn_llm():
+    """A word-level tokenizer built from compact Kuhn prompts and a tiny random decoder."""
+    tasks = TaskSampler(
+        TaskSamplerConfig(num_tasks=4, group_size=2, opponents={"aggressive": 1.0}, seats="mixed")
+    ).sample_train(0)
+    cfg = RunnerConfig(num_episodes=2, prompt_style="compact", constrained_actions=True, keep_text=True)
+    scripted = ScriptedPolicy(lambda p: "<remark>bet with king</remark>" if "remark" in p else ACTIONS[1])
+    corpus = [
+        r.prompt_text
+        for r in MetaEpisodeRunner("kuhn_poker", {}, cfg).run(tasks, scripted, training=True).rows
+    ]
+    tokenizer = Tokenizer.word_level(corpus + list(ACTIONS) + ["<remark> </remark>"])
+    config = ModelConfig.preset(
+        "tiny",
+        vocab_size=tokenizer.vocab_size,
+        num_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+    )
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    sampler = Sampler(
+        graphdef,
+        config,
+        eos_ids=tokenizer.eos_ids,
+        pad_id=tokenizer.pad_id,
+        prompt_buckets=(256,),
+        batch_buckets=(8,),
+    )
+    return tasks, tokenizer, sampler, state
+
+
+def test_llm_policy_plays_constrained_kuhn_meta_episodes_end_to_end(kuhn_llm):
+    tasks, tokenizer, sampler, state = kuhn_llm
+    policy = LLMPolicy(tokenizer, sampler, state, SamplingParams(max_new_tokens=6), jax.random.key(0), 256)
+    cfg = RunnerConfig(
+        num_episodes=2,
+        prompt_style="compact",
+        constrained_actions=True,
+        max_prompt_tokens=256,
+        max_reflection_tokens=4,
+        keep_text=True,
+    )
+    result = MetaEpisodeRunner("kuhn_poker", {}, cfg).run(tasks, policy, training=True)
+    play = [r for r in result.rows if r.phase == "play"]
+    reflect = [r for r in result.rows if r.phase == "reflect"]
+    assert play and all(r.valid and r.response_text in ACTIONS for r in play)  # constrained decoding
+    assert all(isinstance(r.constraint, TokenAutomaton) for r in play)
+    assert all(r.constraint is None and r.response_length <= 4 for r in reflect)
+    for r in result.rows:
+        assert len(r.logprobs) == r.response_length and np.all(r.logprobs <= 0)
+        assert r.prompt_ids[0] == tokenizer.bos_id
+    assert len({id(r.constraint) for r in play}) == 1  # one automaton per distinct legal set
+    batch = pack_rows(result.rows, row_bucket=8, length_buckets=(128, 256), pad_id=tokenizer.pad_id)
+    transitions = batch.row_transitions()
+    assert transitions.shape[0] == batch.shape[0] and transitions.shape[2] == sampler.vocab_size
+
+
+def test_llm_policy_skips_prompts_it_cannot_feed_to_the_model(kuhn_llm):
+    _, tokenizer, sampler, state = kuhn_llm
+    policy = LLMPolicy(tokenizer, sampler, state, SamplingParams(max_new_tokens=6), jax.random.key(1), 5)
+    out = policy.generate([GenerationRequest("PASS " * 50), GenerationRequest("BET", max_new_tokens=2)])
+    assert out[0].skipped and out[0].text == "" and len(out[0].response_ids) == 0
+    assert not out[1].skipped and 1 <= len(out[1].response_ids) <= 2
