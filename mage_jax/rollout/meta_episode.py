@@ -196,6 +196,7 @@ class MetaEpisodeRunner:
         self._rows: list[Row] = []
         self._stats = {
             "generate_calls": 0,
+            "overflow_prompts": 0,
             "overflow_memory_dropped": 0,
             "overflow_window_truncated": 0,
             "overflow_invalid": 0,
@@ -400,6 +401,7 @@ class MetaEpisodeRunner:
         for i, length in enumerate(lengths):
             if length <= limit:
                 continue
+            self._stats["overflow_prompts"] += 1
             render, memory, spec = renderers[i], list(memories[i]), envs[i].prompt_spec
             fitted = None
             dropped = 0

@@ -234,6 +234,8 @@ def test_an_over_long_prompt_drops_the_oldest_memory_first():
     assert shortened.valid and not shortened.overflow and shortened.prompt_length <= limit
     assert "note-4-1" not in shortened.prompt_text and "note-4-2" in shortened.prompt_text
     assert result.stats["overflow_memory_dropped"] >= 1
+    assert result.stats["overflow_prompts"] >= result.stats["overflow_memory_dropped"]
+    assert result.stats["overflow_invalid"] == 0
     assert all(r.prompt_length <= limit for r in result.rows)
 
 
