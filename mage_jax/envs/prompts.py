@@ -108,15 +108,15 @@ def _outcome_compact(record: EpisodeRecord) -> str:
 def _render_move(turn: int, move: Move, with_observation: bool, style: str, current: bool = False) -> str:
     """One turn: action (and reward plus observation when ``with_observation``); ``current`` marks the
     last move of a play prompt, whose observation is the state the model acts on."""
+    valid = move.valid and move.action is not None
     if style == "compact":
-        action = compact_text(move.action) if move.valid and move.action is not None else "invalid"
+        action = (compact_text(move.action) or "none") if valid else "invalid"
         if not with_observation:
             return f"turn {turn} : {action}"
         return (
             f"turn {turn} : {action} ; reward {format_reward(move.reward)} ; obs :\n"
             f"{compact_text(move.observation, board=True)}"
         )
-    valid = move.valid and move.action is not None
     action = f'action "{move.action}"' if valid else "invalid action (nothing changed)"
     if not with_observation:
         return f"Turn {turn}: {action}"

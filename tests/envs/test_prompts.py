@@ -4,6 +4,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mage_jax.envs.base import PromptSpec
 from mage_jax.envs.prompts import (
@@ -145,7 +147,8 @@ REFLECTION = "I moved without a plan. Next time: check the board first, then tak
 def _script(name: str, env) -> tuple[list[str], list[str]]:
     """Responses of episode 0 and of episode 1 so far (raw model text, some invalid on purpose)."""
     if name == "kuhn_poker":
-        return ["<think>A Queen is worth a bet.</think> <action>BET</action>"], ["I pass.", "<action>PASS</action>"]
+        bet = "<think>A Queen is worth a bet.</think><action>BET</action>"
+        return [bet], ["I pass.", "<action>PASS</action>"]
     if name == "tic_tac_toe":
         return (
             ["<action>(1, 2)</action>", "<action>(3, 2)</action>", "<action>(2, 2)</action>",
@@ -216,3 +219,22 @@ def test_golden_prompts(name, style):
         _check_golden(f"{name}__play__{mode}__{style}.txt", text)
     text = render_reflect_prompt(spec, initial, record, 0, style=style, privileged=privileged)
     _check_golden(f"{name}__reflect__{style}.txt", text)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    observation=st.text(max_size=60),
+    action=st.none() | st.text(max_size=20),
+    reflection=st.none() | st.text(max_size=60),
+    reward=st.floats(-20, 20, allow_nan=False),
+    style=st.sampled_from(["full", "compact"]),
+)
+def test_rendering_never_raises_on_arbitrary_text(observation, action, reflection, reward, style):
+    move = Move(action, observation, reward, action is not None)
+    record = EpisodeRecord((move, move), reward, False, reflection)
+    for mode in MEMORY_MODES:
+        text = render_play_prompt(SPEC, observation, [record], 1, [move] * 3, memory_mode=mode, style=style)
+        assert text.startswith(SPEC.preamble if style == "full" else "test game")
+    reflect = render_reflect_prompt(SPEC, observation, record, 0, style=style, privileged=observation)
+    if style == "compact":
+        assert "  " not in reflect
