@@ -1,0 +1,370 @@
+"""Specification of mage_jax.sampling: jitted generation that matches the training forward and Hugging
+Face greedy decoding, compiles once per bucket, honours limits, and obeys token automata."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mage_jax.models.config import ModelConfig
+from mage_jax.models.transformer import Transformer, make_attention_mask, positions_from_mask
+from mage_jax.sampling import (
+    GenerationResult,
+    Sampler,
+    SamplingParams,
+    TokenAutomaton,
+    automaton_from_completions,
+    choose_tokens,
+    constraint_masks,
+    stack_automata,
+    truncate_at_stop_strings,
+)
+
+VOCAB, EOS, PAD = 64, 3, 0
+MAX_NEW = 8
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A 2-layer random model and one sampler shared by the tests, so compiled programs are reused."""
+    config = ModelConfig.preset("tiny", vocab_size=VOCAB, num_layers=2, hidden_size=64, intermediate_size=128)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    sampler = Sampler(
+        graphdef, config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(8, 16), batch_buckets=(2, 4)
+    )
+    return model, state, sampler
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_logp(graphdef, state, seq):
+    model = nnx.merge(graphdef, state)
+    mask = jnp.ones_like(seq, bool)
+    hidden, _ = model(seq, positions_from_mask(mask), make_attention_mask(mask))
+    return model.logits(hidden)[0]
+
+
+def forward_logprobs(model, prompt, response, allowed=None):
+    """log p(response | prompt) per token from one uncached forward over prompt + response."""
+    graphdef, state = nnx.split(model)
+    seq = list(prompt) + list(response)
+    padded = np.asarray([seq + [PAD] * (32 - len(seq))], np.int32)  # one shape: one compile
+    logits = np.asarray(_forward_logp(graphdef, state, padded))[len(prompt) - 1 : len(seq) - 1]
+    if allowed is not None:
+        logits = np.where(np.asarray(allowed), logits, -np.inf)
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    return logp[np.arange(len(response)), np.asarray(response)]
+
+
+# ------------------------------------------------------------------------------ log-probs and limits
+def test_sampled_logprobs_equal_the_training_forward_at_temperature_one(tiny):
+    model, state, sampler = tiny
+    out = sampler.generate(state, PROMPTS, SamplingParams(max_new_tokens=MAX_NEW), jax.random.key(0))
+    assert len(out.tokens) == len(PROMPTS) and out.prompt_bucket == 16 and out.batch_buckets == (4,)
+    for prompt, tokens, logprobs, finished in zip(PROMPTS, out.tokens, out.logprobs, out.finished):
+        assert 1 <= len(tokens) <= MAX_NEW and len(logprobs) == len(tokens)
+        assert finished == (tokens[-1] == EOS) and (EOS not in tokens[:-1])
+        np.testing.assert_allclose(logprobs, forward_logprobs(model, prompt, tokens), atol=2e-5)
+
+
+def test_logprobs_ignore_temperature_and_describe_the_temperature_one_distribution(tiny):
+    model, state, sampler = tiny
+    out = sampler.generate(
+        state, PROMPTS, SamplingParams(temperature=3.0, max_new_tokens=MAX_NEW), jax.random.key(1)
+    )
+    for prompt, tokens, logprobs in zip(PROMPTS, out.tokens, out.logprobs):
+        np.testing.assert_allclose(logprobs, forward_logprobs(model, prompt, tokens), atol=2e-5)
+
+
+def test_rows_stop_at_their_own_token_limits(tiny):
+    _, state, sampler = tiny
+    limits = [0, 2, MAX_NEW + 5]
+    out = sampler.generate(
+        state,
+        PROMPTS,
+        SamplingParams(max_new_tokens=MAX_NEW),
+        jax.random.key(2),
+        max_new_tokens_per_row=limits,
+    )
+    assert len(out.tokens[0]) == 0 and not out.finished[0]
+    assert 1 <= len(out.tokens[1]) <= 2 and len(out.tokens[2]) <= MAX_NEW  # capped at max_new_tokens
+    assert out.finished[1] == (out.tokens[1][-1] == EOS)
+
+
+def test_same_rng_same_tokens_and_different_rng_different_tokens(tiny):
+    _, state, sampler = tiny
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    a = sampler.generate(state, PROMPTS, params, jax.random.key(7))
+    b = sampler.generate(state, PROMPTS, params, jax.random.key(7))
+    c = sampler.generate(state, PROMPTS, params, jax.random.key(8))
+    assert all(np.array_equal(x, y) for x, y in zip(a.tokens, b.tokens))
+    assert not all(np.array_equal(x, y) for x, y in zip(a.tokens, c.tokens))
+
+
+# ------------------------------------------------------------------------------------ compile counts
+def test_same_bucket_compiles_once_and_a_new_bucket_once_more(tiny):
+    _, state, sampler = tiny
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    first = sampler.generate(state, PROMPTS, params, jax.random.key(3)).compile_count
+    # Same buckets (prompt 16, batch 4), other lengths, temperature, top-p value and limits: no compile.
+    again = sampler.generate(
+        state,
+        [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [9], [4, 4]],
+        SamplingParams(temperature=0.5, max_new_tokens=MAX_NEW),
+        jax.random.key(4),
+        max_new_tokens_per_row=[1, 2, 3],
+    )
+    assert again.compile_count == first
+    short = sampler.generate(state, [[5, 6], [7, 8, 9]], params, jax.random.key(5))  # prompt 8, batch 2
+    assert short.compile_count == first + 1 and short.prompt_bucket == 8 and short.batch_buckets == (2,)
+    assert sampler.generate(state, [[5, 6], [7]], params, jax.random.key(6)).compile_count == first + 1
+
+
+def test_a_batch_larger_than_the_largest_bucket_runs_in_chunks_in_order(tiny):
+    model, state, sampler = tiny
+    prompts = [[5 + i, 6 + i, 7] for i in range(6)]
+    out = sampler.generate(state, prompts, SamplingParams(max_new_tokens=MAX_NEW), jax.random.key(0))
+    assert out.batch_buckets == (4, 2) and len(out.tokens) == len(out.finished) == 6
+    for prompt, tokens, logprobs in zip(prompts, out.tokens, out.logprobs):  # each row answers its prompt
+        np.testing.assert_allclose(logprobs, forward_logprobs(model, prompt, tokens), atol=2e-5)
+
+
+# -------------------------------------------------------------------------------------- bad input
+def test_a_prompt_longer_than_the_largest_bucket_is_one_clear_error(tiny):
+    _, state, sampler = tiny
+    with pytest.raises(ValueError, match=r"prompt 1 has 17 tokens.*largest prompt bucket \(16\)"):
+        sampler.generate(
+            state, [[1, 2], list(range(1, 18))], SamplingParams(max_new_tokens=MAX_NEW), jax.random.key(0)
+        )
+
+
+def test_empty_prompts_and_out_of_vocabulary_ids_are_clear_errors(tiny):
+    _, state, sampler = tiny
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        sampler.generate(state, [[]], params, jax.random.key(0))
+    with pytest.raises(ValueError, match="token ids must be in"):
+        sampler.generate(state, [[VOCAB + 1]], params, jax.random.key(0))
+    assert sampler.generate(state, [], params, jax.random.key(0)).tokens == []
+
+
+def test_sampling_params_are_validated():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    assert SamplingParams(temperature=0.0).is_greedy
+
+
+# --------------------------------------------------------------------------------- token choice
+def test_top_k_and_top_p_draw_only_from_the_kept_tokens():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 512))
+    keys = jax.random.key(0)
+    one = jnp.float32(1.0)
+
+    choose = jax.jit(choose_tokens, static_argnames=("greedy", "top_k", "use_top_p"))
+
+    def draw(top_k, top_p, use_top_p):
+        tokens, logp = choose(
+            logits, None, keys, one, jnp.float32(top_p), greedy=False, top_k=top_k, use_top_p=use_top_p
+        )
+        return set(np.asarray(tokens).tolist()), np.asarray(logp)
+
+    drawn, logp = draw(2, 1.0, False)
+    assert drawn == {0, 1}
+    np.testing.assert_allclose(np.exp(logp), np.where(logp > -1.0, 0.5, 0.3), rtol=1e-5)  # untruncated p
+    assert draw(0, 0.75, True)[0] == {0, 1}  # 0.5 + 0.3 reaches 0.75
+    assert draw(0, 0.5, True)[0] == {0}
+    assert draw(3, 0.9, True)[0] == {0, 1, 2}
+    assert draw(0, 1.0, False)[0] == {0, 1, 2, 3}
+
+
+def test_greedy_is_the_argmax_of_the_allowed_tokens():
+    logits = jnp.asarray([[0.0, 5.0, 1.0, 2.0]])
+    allowed = jnp.asarray([[True, False, True, True]])
+    token, logp = choose_tokens(
+        logits,
+        allowed,
+        jax.random.key(0),
+        jnp.float32(1),
+        jnp.float32(1),
+        greedy=True,
+        top_k=0,
+        use_top_p=False,
+    )
+    assert int(token[0]) == 3
+    np.testing.assert_allclose(
+        float(logp[0]), float(jax.nn.log_softmax(jnp.asarray([0.0, 1.0, 2.0]))[2]), rtol=1e-6
+    )
+
+
+# ------------------------------------------------------------------------------ constrained decoding
+def test_trie_automaton_accepts_exactly_the_completions_followed_by_eos():
+    a = automaton_from_completions([[10, 11], [12], [10, 11, 13]], vocab_size=16, eos_id=EOS)
+    t = a.transitions
+
+    def run(seq):
+        state = 0
+        for tok in seq:
+            state = t[state, tok]
+            if state < 0:
+                return False
+        return True
+
+    for ok in ([10, 11, EOS], [12, EOS], [10, 11, 13, EOS]):
+        assert run(ok)
+    for bad in ([10, EOS], [11], [12, 12], [EOS], [10, 11, 13, 13]):
+        assert not run(bad)
+    assert a.accepting([EOS]).sum() == 3 and t.shape == (6, 16)
+    assert (t[-1] == -1).all()  # nothing may follow EOS
+
+
+def test_trie_automaton_rejects_bad_completions():
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        automaton_from_completions([[99]], vocab_size=16, eos_id=EOS)
+    with pytest.raises(ValueError, match="contains the EOS"):
+        automaton_from_completions([[EOS, 5]], vocab_size=16, eos_id=EOS)
+    with pytest.raises(ValueError, match="at least one"):
+        automaton_from_completions([], vocab_size=16, eos_id=EOS)
+
+
+def test_constraint_masks_replay_the_automaton_by_hand():
+    a = automaton_from_completions([[4, 5], [6]], vocab_size=8, eos_id=EOS)
+    transitions = stack_automata([a, None], vocab_size=8, num_states=8)
+    tokens = np.asarray([[4, 5, EOS, PAD], [1, 2, 7, 7]], np.int32)
+    masks = np.asarray(constraint_masks(transitions, tokens))
+    assert masks.shape == (2, 4, 8)
+    assert np.flatnonzero(masks[0, 0]).tolist() == [4, 6]
+    assert np.flatnonzero(masks[0, 1]).tolist() == [5]
+    assert np.flatnonzero(masks[0, 2]).tolist() == [EOS]
+    assert masks[0, 3].all()  # after EOS: unconstrained (masked out by the response mask)
+    assert masks[1].all()  # an unconstrained row
+
+
+def test_constrained_generation_only_produces_allowed_completions(tiny):
+    model, state, sampler = tiny
+    completions = [[30, 31], [32], [30, 33, 34]]
+    automaton = automaton_from_completions(completions, VOCAB, EOS)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0]]
+    out = sampler.generate(
+        state,
+        prompts,
+        SamplingParams(max_new_tokens=MAX_NEW),
+        jax.random.key(9),
+        constraints=[automaton, automaton, None, automaton],
+    )
+    allowed = {tuple(c) + (EOS,) for c in completions}
+    for row in (0, 1, 3):
+        assert tuple(out.tokens[row].tolist()) in allowed and out.finished[row]
+    # The trainer's replay gives the masks the sampler drew with: log-probs agree under them.
+    transitions = stack_automata([automaton, automaton, None, automaton], VOCAB)
+    for row, (prompt, tokens) in enumerate(zip(prompts, out.tokens)):
+        masks = constraint_masks(transitions[row : row + 1], np.asarray([tokens], np.int32))[0]
+        expected = forward_logprobs(model, prompt, tokens, allowed=masks)
+        np.testing.assert_allclose(out.logprobs[row], expected, atol=2e-5)
+    many = sampler.generate(
+        state,
+        [PROMPTS[1]] * 4,
+        SamplingParams(max_new_tokens=MAX_NEW),
+        jax.random.key(10),
+        constraints=automaton,
+    )
+    assert all(tuple(t.tolist()) in allowed for t in many.tokens)
+
+
+def test_automata_must_match_the_model_vocabulary(tiny):
+    _, state, sampler = tiny
+    with pytest.raises(ValueError, match="vocabulary"):
+        sampler.generate(
+            state,
+            [[5]],
+            SamplingParams(max_new_tokens=MAX_NEW),
+            jax.random.key(0),
+            constraints=TokenAutomaton.accept_all(VOCAB + 1),
+        )
+
+
+# ------------------------------------------------------------------------------------ stop strings
+def test_stop_strings_truncate_on_the_host():
+    decode = lambda ids: "".join(chr(ord("a") + int(i)) for i in ids)  # one letter per token
+    result = GenerationResult(
+        tokens=[np.arange(6), np.arange(3)],
+        logprobs=[np.zeros(6), np.zeros(3)],
+        finished=np.asarray([False, False]),
+        compile_count=1,
+    )
+    cut, texts = truncate_at_stop_strings(result, decode, ["cd", "zz"])
+    assert texts == ["abcd", "abc"]
+    assert cut.tokens[0].tolist() == [0, 1, 2, 3] and len(cut.logprobs[0]) == 4
+    assert cut.finished.tolist() == [True, False] and cut.tokens[1].tolist() == [0, 1, 2]
+
+
+# ------------------------------------------------------------------------------ Hugging Face parity
+def build_hf_checkpoint(arch: str, folder):
+    import torch
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=arch == "qwen3",
+    )
+    config = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[arch](**common)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.2)  # logits far apart: greedy choices are not near-ties
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def hf_greedy(model, prompts, max_new: int):
+    """HF generate on a left-padded batch; responses cut after the first EOS."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+        )
+    responses = []
+    for row in out[:, width:].numpy():
+        row = row.tolist()
+        responses.append(row[: row.index(EOS) + 1] if EOS in row else row)
+    return responses
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_generation_matches_hugging_face_generate(arch, tmp_path):
+    from mage_jax.models.hf_loading import load_hf_params
+
+    hf_model = build_hf_checkpoint(arch, tmp_path)
+    config, graphdef, state = load_hf_params(tmp_path)
+    sampler = Sampler(graphdef, config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(16,), batch_buckets=(4,))
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41, 42], [17, 18, 19, 20, 21]]
+    out = sampler.generate(state, prompts, SamplingParams(greedy=True, max_new_tokens=32), jax.random.key(0))
+    expected = hf_greedy(hf_model, prompts, 32)
+    assert [t.tolist() for t in out.tokens] == expected
+    assert max(len(t) for t in expected) > 8  # the comparison covers long continuations
+    assert out.finished.tolist() == [r[-1] == EOS for r in expected]
