@@ -24,7 +24,9 @@ __all__ = [
 ]
 
 # Built-in environments register themselves on import (added as they land).
+import mage_jax.envs.alfworld  # noqa: E402,F401  (alfworld / textworld are imported only when a game starts)
 import mage_jax.envs.kuhn_poker  # noqa: E402,F401
 import mage_jax.envs.minesweeper  # noqa: E402,F401
 import mage_jax.envs.sokoban  # noqa: E402,F401
 import mage_jax.envs.tic_tac_toe  # noqa: E402,F401
+import mage_jax.envs.webshop  # noqa: E402,F401  (bm25s is imported on the first search)
