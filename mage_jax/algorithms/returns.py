@@ -93,11 +93,15 @@ class RowBatch:
         return self.mask.shape[0]
 
     def pad(self, num_rows: int) -> RowBatch:
-        """Append masked padding rows up to ``num_rows`` (a fixed bucket size)."""
+        """Append masked padding rows up to ``num_rows`` (a fixed bucket size).
+
+        Host-side (numpy), like ``create``: padding to ever new sizes compiles nothing.
+        """
         extra = num_rows - self.num_rows
         if extra < 0:
             raise ValueError(f"cannot pad {self.num_rows} rows down to {num_rows}")
-        return jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros((extra,), a.dtype)]), self)
+        grow = lambda a: np.concatenate([np.asarray(a), np.zeros((extra,), np.asarray(a).dtype)])
+        return jax.tree.map(lambda a: jnp.asarray(grow(a)), self)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ import numpy as np
 
 from mage_jax.algorithms.returns import RowBatch
 
+BUCKET = 160  # fixed batch size for random batches: at most 132 rows + 25 padding rows, one compile
+
 FIELDS = ("group", "meta_episode", "episode", "step", "is_reflect", "anchor", "env_reward", "invalid",
           "response_length")
 

@@ -134,7 +134,7 @@ def test_meta_episode_won_at_episode_zero_has_one_episode_only():
 def test_kernels_agree_with_the_literal_spec_reading_on_random_batches(design):
     for seed in range(6):
         rows = ref.random_rows(seed)
-        batch = ref.to_batch(rows, pad_to=128)
+        batch = ref.to_batch(rows, pad_to=ref.BUCKET)
         expect = ref.credit(rows, design=design, invalid_penalty=0.5, length_penalty=1.5, max_len=100)
         n = len(rows)
         d = meta_rewards(batch, design)
@@ -163,18 +163,18 @@ def test_padding_rows_with_arbitrary_contents_change_nothing():
     for r in junk:
         r.update(group=1000, meta_episode=50, env_reward=99.0)
     order = np.random.default_rng(1).permutation(n + len(junk))  # padding interleaved with real rows
-    mixed = ref.to_batch([(rows + junk)[i] for i in order], pad_to=128)
-    real = np.zeros(128, bool)
+    mixed = ref.to_batch([(rows + junk)[i] for i in order], pad_to=ref.BUCKET)
+    real = np.zeros(ref.BUCKET, bool)
     real[: n + len(junk)] = order < n
     mixed = mixed.replace(mask=jax.numpy.asarray(real))
     out_mixed = _all_outputs(mixed)
-    out = _all_outputs(ref.to_batch(rows, pad_to=128))
+    out = _all_outputs(ref.to_batch(rows, pad_to=ref.BUCKET))
     np.testing.assert_allclose(out_mixed[:, real], out[:, order[order < n]], atol=1e-6)
     assert np.all(out_mixed[:, ~real] == 0)
 
 
 def test_permuting_rows_only_permutes_the_results():
-    batch = ref.to_batch(ref.random_rows(21), pad_to=128)
+    batch = ref.to_batch(ref.random_rows(21), pad_to=ref.BUCKET)
     perm = np.random.default_rng(0).permutation(batch.num_rows)
     permuted = jax.tree.map(lambda a: a[perm], batch)
     np.testing.assert_allclose(_all_outputs(permuted), _all_outputs(batch)[:, perm], atol=1e-6)
@@ -212,6 +212,6 @@ def test_step_returns_compile_once_per_batch_size():
         return step_returns(rows, meta_rewards(rows))
 
     for seed in (1, 2, 3):
-        kernel(ref.to_batch(ref.random_rows(seed), pad_to=128)).block_until_ready()
+        kernel(ref.to_batch(ref.random_rows(seed), pad_to=ref.BUCKET)).block_until_ready()
     assert len(traces) == 1
     assert kernel._cache_size() == 1
