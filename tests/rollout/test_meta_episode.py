@@ -317,3 +317,23 @@ def test_kuhn_privileged_reflection_shows_the_opponent_card_only_in_training():
     assert len(train_reflect) == len(lost) and all("Opponent's Card" in p for p in train_reflect)
     assert eval_reflect and not any("Opponent's Card" in p for p in eval_reflect)
     assert not any("Opponent's Card" in r.prompt_text for r in train.rows if r.phase == "play")
+
+
+@pytest.mark.parametrize("env_name", ["kuhn_poker", "tic_tac_toe", "sokoban", "minesweeper"])
+def test_the_runner_drives_every_built_in_game_with_consistent_rows_and_outcomes(env_name):
+    from mage_jax.envs import make_env
+
+    pool = getattr(make_env(env_name), "opponent_pool", None)
+    config = TaskSamplerConfig(num_tasks=3, group_size=2, opponents=pool, seats="mixed" if pool else "first")
+    tasks = TaskSampler(config).sample_train(0)
+    policy = ScriptedPolicy(lambda p: "<remark>x</remark>" if "<remark>" in p else "forced by the constraint")
+    result = MetaEpisodeRunner(env_name, {}, RunnerConfig(num_episodes=3, constrained_actions=True)).run(
+        tasks, policy, training=True
+    )
+    assert result.stats["invalid_action_ratio"] == 0.0
+    for outcome in result.outcomes:
+        rows = [r for r in result.rows if r.meta_episode == outcome.meta_episode]
+        assert sum(r.phase == "play" for r in rows) == sum(outcome.turns)
+        assert sum(r.phase == "reflect" for r in rows) == outcome.episodes_run - 1
+        assert outcome.episodes_run == 3 or outcome.won[-1]
+        assert not any(outcome.won[:-1])
