@@ -21,6 +21,7 @@ KL_KINDS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_va
 DISALLOWED_LOGIT = -1e30
 
 
+@functools.partial(jax.jit, static_argnames="mode")
 def aggregate(values: jax.Array, mask: jax.Array, mode: str = "token-mean") -> jax.Array:
     """Reduce per-token values [B, T] to a scalar.
 
@@ -48,6 +49,7 @@ def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     return (values.astype(jnp.float32) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
+@functools.partial(jax.jit, static_argnames=("dual_clip", "agg_mode"))
 def ppo_loss(
     logp: jax.Array,
     old_logp: jax.Array,
@@ -100,6 +102,7 @@ def ppo_loss(
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
+@functools.partial(jax.jit, static_argnames="kind")
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3") -> jax.Array:
     """Per-token estimate of KL(π‖π_ref) from log-probs of tokens sampled from π.
 
