@@ -146,8 +146,13 @@ def _solvable(game_file: Path) -> bool:
     if game_file.suffix != ".tw-pddl":
         return True
     try:
-        with open(game_file, encoding="utf-8") as f:
-            match = _SOLVABLE.search(f.read())
+        with open(game_file, "rb") as f:  # the flag is written last: try the tail before the whole file
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(size - 4096, 0))
+            match = _SOLVABLE.search(f.read().decode("utf-8", "replace"))
+            if match is None and size > 4096:
+                f.seek(0)
+                match = _SOLVABLE.search(f.read().decode("utf-8", "replace"))
     except OSError:
         return False
     return match is not None and match.group(1) == "true"
@@ -295,7 +300,9 @@ def alfworld_prompt_spec(max_turns: int) -> PromptSpec:
             "alfworld . household task in text . one admissible command per turn . "
             "task done gives reward 10"
         ),
-        action_format="<action>go to countertop 1</action>",
+        action_format=(
+            "one admissible command in <action>...</action>, e.g. <action>go to countertop 1</action>"
+        ),
         history_window=15,
     )
 

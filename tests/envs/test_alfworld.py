@@ -336,3 +336,22 @@ def test_alfworld_pddl_game_through_the_alfred_wrappers(alfred_data):
     assert env.restart() == initial
     assert env.legal_actions() == ["go to countertop 1", "go to fridge 1", "inventory", "look"]
     env.close()
+
+
+def test_solvable_flag_is_found_anywhere_in_a_large_game_file(tmp_path):
+    trial = _trial(tmp_path, "train", TYPE_DIRS["pick"])
+    (trial / "game.tw-pddl").write_text(json.dumps({"solvable": True, "pddl_problem": "x" * 20000}))
+    _trial(tmp_path, "train", TYPE_DIRS["look"]).joinpath("game.tw-pddl").write_text(
+        json.dumps({"pddl_problem": "x" * 20000, "solvable": False})
+    )
+    env = ALFWorldEnv(data_dir=tmp_path, engine_factory=FakeEngine)
+    assert [g.task_type for g in env.games] == ["pick_and_place_simple"]
+
+
+def test_compact_prompt_lists_the_admissible_commands(fake):
+    from mage_jax.envs.prompts import render_play_prompt
+
+    admissible = fake.legal_actions()
+    prompt = render_play_prompt(fake.prompt_spec, fake.observation, [], 0, [], admissible=admissible,
+                                style="compact")
+    assert "admissible : go to door 1 | inventory | look | take key 1 from floor" in prompt

@@ -417,3 +417,10 @@ def test_longest_play_prompt_fits_the_paper_prompt_length():
     prompt = render_play_prompt(env.prompt_spec, env.restart(), [], 0, moves, admissible=env.legal_actions())
     assert env.prompt_spec.history_window == 5
     assert len(prompt) < 8192 * 2  # far below 8192 tokens even at two characters a token
+
+
+def test_compact_prompt_renders_the_page_and_its_actions(shop):
+    _act(shop, "search[shampoo]")
+    prompt = render_play_prompt(shop.prompt_spec, shop.restart(), [], 0, [], admissible=shop.legal_actions(),
+                                style="compact")
+    assert prompt.startswith("webshop . buy the product") and "admissible : search [" in prompt

@@ -77,7 +77,9 @@ def webshop_prompt_spec(max_turns: int) -> PromptSpec:
             "click[ item ] opens item . click[ value ] selects option . click[ buy now ] buys . "
             "score 1 wins reward 10"
         ),
-        action_format="<action>click[buy now]</action>",
+        action_format=(
+            "one admissible action in <action>...</action>, e.g. <action>search[red running shoes]</action>"
+        ),
         history_window=5,
     )
 

@@ -1,0 +1,221 @@
+"""Per-turn step and prompt-render cost of 64 parallel WebShop and ALFWorld meta-episodes.
+
+    python -m experiments.benchmarks.single_agent_step [--out runs/benchmarks/single_agent_step.json]
+        [--tasks 8] [--group 8] [--episodes 3] [--budget-s 20] [--only webshop,alfworld]
+        [--alfworld-data DIR]
+
+Plays ``tasks x group`` meta-episodes per environment in lockstep as the runner does (N episodes,
+restart between them, reflect prompts rendered for the lost ones). Each turn renders every play
+prompt (full style, history-and-reflection memory, the admissible list: the costliest layout) and
+then steps every environment with a uniformly random admissible action (on WebShop's search page, a
+query of three words of the instruction) wrapped in ``<action>`` tags, so parsing is included.
+
+WebShop runs on the generated catalogue. ALFWorld runs on ``--alfworld-data`` when given (the real
+ALFWorld games), else on small ALFWorld-format PDDL games written to a temporary folder
+(``write_tiny_alfred_game``; needs the ``alfworld`` extra), else on a TextWorld game made with
+``textworld.GameMaker``; without those packages it is skipped. ``reset_ms`` includes starting one
+game engine per environment. Prints JSON and writes it to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mage_jax.envs import TextEnv, make_env
+from mage_jax.envs.prompts import EpisodeRecord, Move, render_play_prompt, render_reflect_prompt
+
+REFLECTION = "I searched too broadly. Next time I will use the exact product type and check the options."
+TINY_TYPES = ("pick_and_place_simple", "pick_cool_then_place_in_recep")
+
+
+def _random_action(env: TextEnv, rng: random.Random) -> str:
+    legal = env.legal_actions()
+    if legal == ["search[<your query>]"]:
+        words = env.goal.instruction.split(", and price")[0].split()  # type: ignore[attr-defined]
+        return f"search[{' '.join(rng.sample(words, min(3, len(words))))}]"
+    return rng.choice(legal) if legal else "look"
+
+
+def bench(name: str, make: Callable[[], TextEnv], *, tasks: int, group: int, episodes: int,
+          budget_s: float, seed: int) -> dict[str, Any]:
+    """Play ``tasks * group`` meta-episodes in lockstep; time reset, render + step per turn, restart."""
+    rng = random.Random(seed)
+    n = tasks * group
+    envs = [make() for _ in range(n)]
+    start = time.perf_counter()
+    initial = [env.reset(1000 + i // group) for i, env in enumerate(envs)]
+    reset_ms = (time.perf_counter() - start) * 1e3
+    spec = envs[0].prompt_spec
+    memory: list[list[EpisodeRecord]] = [[] for _ in range(n)]
+    finished = [False] * n
+    render_ms, step_ms, active, restart_ms, reflect_ms, prompt_chars = [], [], [], [], [], []
+    measured, wins = 0.0, 0
+    for episode in range(episodes):
+        live = [i for i in range(n) if not finished[i]]
+        if not live or measured > budget_s:
+            break
+        if episode > 0:
+            t0 = time.perf_counter()
+            for i in live:
+                initial[i] = envs[i].restart()
+            restart_ms.append((time.perf_counter() - t0) * 1e3)
+        moves: dict[int, list[Move]] = {i: [] for i in live}
+        won = dict.fromkeys(live, False)
+        playing = list(live)
+        for _turn in range(envs[0].max_turns):
+            if not playing or measured > budget_s:
+                break
+            t0 = time.perf_counter()
+            for i in playing:
+                prompt = render_play_prompt(spec, initial[i], memory[i], episode, moves[i],
+                                            memory_mode="history_and_reflection",
+                                            admissible=envs[i].legal_actions())
+                prompt_chars.append(len(prompt))
+            t1 = time.perf_counter()
+            still = []
+            for i in playing:
+                result = envs[i].step(f"<think>trying</think><action>{_random_action(envs[i], rng)}</action>")
+                moves[i].append(Move(result.action, result.observation, result.reward, result.info.valid))
+                won[i] = result.info.won
+                if not result.done:
+                    still.append(i)
+            t2 = time.perf_counter()
+            render_ms.append((t1 - t0) * 1e3)
+            step_ms.append((t2 - t1) * 1e3)
+            active.append(len(playing))
+            measured += t2 - t0
+            playing = still
+        t0 = time.perf_counter()
+        for i in live:
+            record = EpisodeRecord(tuple(moves[i]), sum(m.reward for m in moves[i]), won[i], REFLECTION)
+            memory[i].append(record)
+            if won[i]:
+                finished[i] = True
+                wins += 1
+            elif episode < episodes - 1:
+                render_reflect_prompt(spec, initial[i], record, episode)
+        reflect_ms.append((time.perf_counter() - t0) * 1e3)
+    for env in envs:
+        getattr(env, "close", lambda: None)()
+
+    def mean(values: list[float]) -> float | None:
+        return round(statistics.fmean(values), 3) if values else None
+
+    return {
+        "env": name,
+        "meta_episodes": n,
+        "turns_measured": len(step_ms),
+        "mean_active_per_turn": mean([float(a) for a in active]),
+        "ms_per_turn": mean([r + s for r, s in zip(render_ms, step_ms)]),
+        "step_ms_per_turn": mean(step_ms),
+        "render_ms_per_turn": mean(render_ms),
+        "ms_per_env_step": round(sum(step_ms) / max(sum(active), 1), 4),
+        "ms_per_prompt_render": round(sum(render_ms) / max(sum(active), 1), 4),
+        "mean_prompt_chars": mean([float(c) for c in prompt_chars]),
+        "max_prompt_chars": max(prompt_chars) if prompt_chars else None,
+        "reset_ms": round(reset_ms, 3),
+        "reset_ms_per_env": round(reset_ms / n, 3),
+        "restart_ms": mean(restart_ms),
+        "reflect_render_ms": mean(reflect_ms),
+        "random_policy_wins": wins,
+        "stopped_by_budget": measured > budget_s,
+    }
+
+
+def _alfworld_source(data: str | None, workdir: Path, games: int) -> tuple[dict[str, Any], str]:
+    """Options for ``make_env("alfworld", ...)`` and a description of the games."""
+    if data is not None:
+        return {"data_dir": data, "split": "train"}, f"ALFWorld data at {data} (train)"
+    root = workdir / "alfworld"
+    try:
+        from mage_jax.envs.alfworld import write_tiny_alfred_game
+
+        for k in range(games):
+            kind = TINY_TYPES[k % len(TINY_TYPES)]
+            trial = root / "json_2.1.1" / "train" / f"{kind}-Apple-None-X-{k}" / "trial_T1"
+            write_tiny_alfred_game(trial, kind)
+        return {"data_dir": str(root), "split": "train"}, f"{games} tiny ALFWorld-format PDDL games"
+    except ImportError:
+        pass
+    import textworld  # raises ImportError when absent: ALFWorld is skipped
+    from textworld.generator.game import Event, Quest
+
+    trial = root / "json_2.1.1" / "train" / "pick_and_place_simple-Apple-None-Pantry-1" / "trial_T1"
+    trial.mkdir(parents=True)
+    maker = textworld.GameMaker()
+    kitchen, pantry = maker.new_room("kitchen"), maker.new_room("pantry")
+    maker.connect(kitchen.east, pantry.west)
+    maker.set_player(kitchen)
+    apple = maker.new(type="o", name="apple")
+    pantry.add(apple)
+    maker.quests = [Quest(win_events=[Event(conditions={maker.new_fact("in", apple, maker.inventory)})])]
+    options = textworld.GameOptions()
+    options.path = str(trial / "game.z8")
+    textworld.generator.compile_game(maker.build(), options)
+    (trial / "traj_data.json").write_text(json.dumps({"task_type": "pick_and_place_simple"}))
+    return {"data_dir": str(root), "split": "train"}, "one TextWorld GameMaker game"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="runs/benchmarks/single_agent_step.json")
+    parser.add_argument("--tasks", type=int, default=8, help="task instances (groups)")
+    parser.add_argument("--group", type=int, default=8, help="meta-episodes per task instance")
+    parser.add_argument("--episodes", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=20.0, help="measured seconds per environment")
+    parser.add_argument("--only", default="webshop,alfworld", help="comma-separated: webshop, alfworld")
+    parser.add_argument("--alfworld-data", default=None, help="real ALFWorld data folder (else local games)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.tasks < 1 or args.group < 1 or args.episodes < 1 or args.budget_s <= 0:
+        parser.error("--tasks, --group, --episodes and --budget-s must be positive")
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    if not only <= {"webshop", "alfworld"}:
+        parser.error("--only takes webshop and / or alfworld")
+    common = {"tasks": args.tasks, "group": args.group, "episodes": args.episodes,
+              "budget_s": args.budget_s, "seed": args.seed}
+    results, skipped, sources = [], [], {}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        if "webshop" in only:
+            sources["webshop"] = "generated catalogue (100 products, 200 goals)"
+            results.append(bench("webshop", lambda: make_env("webshop"), **common))
+        if "alfworld" in only:
+            try:
+                options, sources["alfworld"] = _alfworld_source(args.alfworld_data, Path(tmp), args.tasks)
+                results.append(bench("alfworld", lambda: make_env("alfworld", **options), **common))
+            except ImportError as error:
+                skipped.append({"env": "alfworld", "reason": str(error)})
+    report = {
+        "benchmark": "single_agent_step",
+        "command": "python -m experiments.benchmarks.single_agent_step",
+        "batch": args.tasks * args.group,
+        "episodes": args.episodes,
+        "prompt": {"style": "full", "memory_mode": "history_and_reflection", "admissible": True},
+        "sources": sources,
+        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+        "results": results,
+        "skipped": skipped,
+        "total_s": round(time.perf_counter() - start, 2),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n", encoding="utf-8")
+    return report
+
+
+if __name__ == "__main__":
+    main()
