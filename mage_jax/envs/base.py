@@ -66,6 +66,8 @@ class TextEnv(abc.ABC):
 
     name: ClassVar[str] = "base"
     max_turns: int = 1
+    reward_scale: ClassVar[float] = 1.0
+    """Environment reward per unit of the game's payoff (Kuhn: 5 per chip); payoff = reward / scale."""
     prompt_spec: PromptSpec
 
     @abc.abstractmethod

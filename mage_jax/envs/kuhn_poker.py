@@ -122,6 +122,7 @@ class KuhnPokerEnv(TextEnv):
     trajectory shown in reflect prompts needs; it still never reveals the opponent's card.
     """
 
+    reward_scale: ClassVar[float] = REWARD_PER_CHIP
     max_turns: int = 6
     prompt_spec: ClassVar[PromptSpec] = KUHN_PROMPT_SPEC
     opponent_pool: ClassVar[dict[str, float]] = dict(KUHN_TRAINING_POOL)

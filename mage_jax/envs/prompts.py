@@ -48,6 +48,9 @@ class EpisodeRecord:
     reward: float
     won: bool
     reflection: str | None = None
+    episode: int | None = None
+    """0-based index of this episode in its meta-episode; None means its position in the memory list.
+    Set it whenever memory may be trimmed (dropping the oldest entries must not renumber the rest)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,7 +175,8 @@ def render_memory(memory: Sequence[EpisodeRecord], *, memory_mode: str = "reflec
     """What the next episode carries from the earlier ones (spec section 3, item 3); "" when empty."""
     _check_options(memory_mode, style)
     blocks = []
-    for k, record in enumerate(memory):
+    for position, record in enumerate(memory):
+        k = position if record.episode is None else record.episode
         parts = []
         if memory_mode in ("history_only", "history_and_reflection"):
             parts.append(render_trajectory(record, k, style=style))

@@ -16,7 +16,6 @@ of one task (e.g. the G copies of a group) when the caller wants independent opp
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -29,6 +28,7 @@ from mage_jax.envs.opponents.tic_tac_toe import (
     TicTacToePlayer,
     make_tic_tac_toe_opponent,
 )
+from mage_jax.envs.parsing import extract_cell
 
 __all__ = [
     "TIC_TAC_TOE_HELD_OUT_OPPONENTS",
@@ -43,7 +43,6 @@ __all__ = [
 WIN_REWARD = 10.0
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 """Rows, columns and diagonals."""
-_PAIR = re.compile(r"\(\s*([+-]?\d+)\s*,\s*([+-]?\d+)\s*\)")
 
 TIC_TAC_TOE_PROMPT_SPEC = PromptSpec(
     preamble=(
@@ -85,13 +84,10 @@ def tic_tac_toe_board(moves: Sequence[int], agent_first: bool) -> str:
 
 def parse_cell(text: str) -> tuple[int | None, str]:
     """(cell index, "") for the first ``(row, col)`` pair of ``text``; (None, reason) when there is none."""
-    match = _PAIR.search(text) if isinstance(text, str) else None
-    if match is None:
+    pair = extract_cell(text)
+    if pair is None:
         return None, f"expected (row, col), got {_preview(text)}"
-    row_text, col_text = match.groups()
-    if max(len(row_text), len(col_text)) > 3:
-        return None, f"({row_text[:6]}, {col_text[:6]}) is off the board"
-    row, col = int(row_text), int(col_text)
+    row, col = pair
     if not (1 <= row <= 3 and 1 <= col <= 3):
         return None, f"({row}, {col}) is off the board (rows and columns are 1 to 3)"
     return 3 * (row - 1) + (col - 1), ""

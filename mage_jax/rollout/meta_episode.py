@@ -336,7 +336,10 @@ class MetaEpisodeRunner:
         out.score.append(float(info.score) if info is not None else 0.0)
         out.payoff.append(self._payoff(s, info))
         out.turns.append(len(s.moves))
-        return EpisodeRecord(moves=tuple(s.moves), reward=s.episode_reward, won=won, reflection=None)
+        return EpisodeRecord(
+            moves=tuple(s.moves), reward=s.episode_reward, won=won, reflection=None,
+            episode=len(out.rewards) - 1,
+        )
 
     @staticmethod
     def _payoff(s: _MetaState, info: Any) -> float:

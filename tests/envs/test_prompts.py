@@ -238,3 +238,12 @@ def test_rendering_never_raises_on_arbitrary_text(observation, action, reflectio
     reflect = render_reflect_prompt(SPEC, observation, record, 0, style=style, privileged=observation)
     if style == "compact":
         assert "  " not in reflect
+
+
+def test_trimmed_memory_keeps_its_trial_numbers():
+    """Dropping the oldest memory entries (prompt overflow) must not renumber the remaining trials."""
+    from mage_jax.envs.prompts import EpisodeRecord, render_memory
+
+    kept = EpisodeRecord(moves=(), reward=-5.0, won=False, reflection="bet less", episode=1)
+    text = render_memory([kept], memory_mode="reflection_only")
+    assert "trial #2" in text and "trial #1" not in text
