@@ -3,10 +3,11 @@
 The runner lists ``env.legal_actions()`` in play prompts (spec section 3, item 5) and shortens only
 memory and history when a prompt is too long; the admissible list itself must therefore arrive
 already bounded. Policy: an environment gives its list a character budget (``admissible_chars``,
-about four characters per token) and a rank per action (lower = more useful now); actions are kept
-in (rank, original position) order while the list, joined by ", ", fits the budget, and the kept
-ones are listed in their original order. The first-ranked action is always kept, so the list is
-never empty while something is legal. Dropped actions are still accepted when the model writes them;
+about four characters per token) and a rank per action (lower = more useful now). Actions are
+taken greedily in (rank, original position) order, each one kept if the list, joined by ", ", still
+fits the budget with it (a long action that does not fit is skipped and shorter ones after it may
+still fit); the kept ones are listed in their original order. The first-ranked action is always
+kept, so the list is never empty while something is legal. Dropped actions are still accepted when the model writes them;
 they are only not shown (nor offered to constrained decoding, which uses the same list).
 """
 
