@@ -7,8 +7,9 @@ about four characters per token) and a rank per action (lower = more useful now)
 taken greedily in (rank, original position) order, each one kept if the list, joined by ", ", still
 fits the budget with it (a long action that does not fit is skipped and shorter ones after it may
 still fit); the kept ones are listed in their original order. The first-ranked action is always
-kept, so the list is never empty while something is legal. Dropped actions are still accepted when the model writes them;
-they are only not shown (nor offered to constrained decoding, which uses the same list).
+kept, so the list is never empty while something is legal. Dropped actions are still accepted when
+the model writes them; they are only not shown (nor offered to constrained decoding, which uses the
+same list).
 """
 
 from __future__ import annotations
