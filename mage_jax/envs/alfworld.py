@@ -234,16 +234,24 @@ def _require(module: str, what: str):
 
 class TextWorldEngine:
     """The adapter over ``textworld.start``: ALFWorld PDDL games get ALFWorld's name demangler
-    (objects read "apple 1", as in the reference) and compiled TextWorld games play as they are."""
+    (objects read "apple 1", as in the reference) and compiled TextWorld games play as they are.
+
+    A PDDL game answers any text itself ("Nothing happens." unless admissible). A compiled game runs
+    on a Z-machine interpreter, where meta commands ("quit", "restart", "undo") derail the game and
+    control characters can hang it, so only admissible commands reach it; any other text gets the
+    PDDL answer "Nothing happens." and changes nothing.
+    """
 
     def __init__(self, game_file: str) -> None:
         textworld = _require("textworld", "textworld")
         wrappers: list[Any] = []
-        if str(game_file).endswith(".tw-pddl"):
+        self._pddl = str(game_file).endswith(".tw-pddl")
+        if self._pddl:
             alfred = _require("alfworld.agents.environment.alfred_tw_env", "alfworld")
             wrappers = [alfred.AlfredDemangler(shuffle=False), alfred.AlfredInfos]
         infos = textworld.EnvInfos(admissible_commands=True, won=True, lost=True)
         self._env = textworld.start(str(game_file), request_infos=infos, wrappers=wrappers)
+        self._last: GameState | None = None
 
     @staticmethod
     def _state(game_state: Any, done: bool) -> GameState:
@@ -256,11 +264,15 @@ class TextWorldEngine:
         )
 
     def reset(self) -> GameState:
-        return self._state(self._env.reset(), False)
+        self._last = self._state(self._env.reset(), False)
+        return self._last
 
     def step(self, command: str) -> GameState:
+        if not self._pddl and self._last is not None and command not in self._last.admissible:
+            return dataclasses.replace(self._last, feedback="Nothing happens.")
         game_state, _score, done = self._env.step(command)
-        return self._state(game_state, done)
+        self._last = self._state(game_state, done)
+        return self._last
 
     def close(self) -> None:
         self._env.close()

@@ -298,6 +298,9 @@ def test_textworld_game_reset_step_win_and_restart(textworld_data):
     assert "Kitchen" in initial and "Go east and take the apple." in initial
     assert "$$" not in initial and not initial.rstrip().endswith("0/1")
     assert "go east" in env.legal_actions()
+    for meta in ("quit", "restart", "undo"):  # would derail the Z-machine: answered without it
+        result = _act(env, meta)
+        assert result.info.valid and result.observation == "Nothing happens." and not result.done
     moved = _act(env, "go east")
     assert moved.info.valid and "Pantry" in moved.observation and "take apple" in env.legal_actions()
     won = _act(env, "take apple")
