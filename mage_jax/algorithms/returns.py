@@ -82,11 +82,11 @@ class RowBatch:
             a = arrays[name]
             if a.size and not (np.issubdtype(a.dtype, np.integer) or np.all(np.mod(a, 1) == 0)):
                 raise ValueError(f"RowBatch column {name!r} must hold integers, got dtype {a.dtype}")
-            arrays[name] = jnp.asarray(a.astype(np.int32))
+            arrays[name] = a.astype(np.int32)
         for name in ("is_reflect", "invalid", "mask"):
-            arrays[name] = jnp.asarray(arrays[name].astype(bool))
-        arrays["env_reward"] = jnp.asarray(arrays["env_reward"].astype(np.float32))
-        return cls(**arrays)
+            arrays[name] = arrays[name].astype(bool)
+        arrays["env_reward"] = arrays["env_reward"].astype(np.float32)
+        return cls(**jax.device_put(arrays))  # device_put: no per-shape compilation, unlike jnp.asarray
 
     @property
     def num_rows(self) -> int:
@@ -101,7 +101,7 @@ class RowBatch:
         if extra < 0:
             raise ValueError(f"cannot pad {self.num_rows} rows down to {num_rows}")
         grow = lambda a: np.concatenate([np.asarray(a), np.zeros((extra,), np.asarray(a).dtype)])
-        return jax.tree.map(lambda a: jnp.asarray(grow(a)), self)
+        return jax.device_put(jax.tree.map(grow, self))
 
 
 # ------------------------------------------------------------------------------------------------
