@@ -116,7 +116,7 @@ def dense_ids(*keys: jax.Array, mask: jax.Array) -> jax.Array:
     """
     num_rows = mask.shape[0]
     order = jnp.lexsort(tuple(reversed(keys)) + ((~mask).astype(jnp.int32),))
-    changed = jnp.zeros((num_rows,), bool).at[0].set(True)
+    changed = jnp.arange(num_rows) == 0
     for key in keys:  # a loop over the (few) key columns, not over data
         k = key[order]
         changed = changed | (k != jnp.roll(k, 1))
@@ -279,6 +279,8 @@ def step_returns(
     (Single-episode design: pass gamma_traj = 0.)
     """
     num_rows = rows.num_rows
+    if num_rows == 0:
+        return jnp.zeros((0,), jnp.float32)
     play = rows.mask & ~rows.is_reflect
     meta_id = dense_ids(rows.group, rows.meta_episode, mask=rows.mask)
     order = jnp.lexsort((rows.step, meta_id))  # padding rows (meta id R) sort last

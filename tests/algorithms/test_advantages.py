@@ -171,7 +171,7 @@ def test_estimators_agree_with_the_literal_spec_reading_on_random_batches(name):
         cfg = AdvantageConfig(**options, omega=0.7, invalid_penalty=0.5, length_penalty=1.0,
                               max_response_length=100)
         rows = ref.random_rows(100 + i)
-        got = compute_advantages(name, ref.to_batch(rows, pad_to=ref.BUCKET), cfg)
+        got = np.asarray(compute_advantages(name, ref.to_batch(rows, pad_to=ref.BUCKET), cfg))
         np.testing.assert_allclose(got[: len(rows)], _reference(name, rows, cfg), atol=2e-4, rtol=1e-4,
                                    err_msg=str(options))
         assert np.all(got[len(rows):] == 0)
@@ -191,8 +191,8 @@ def test_padding_rows_and_row_order_change_nothing(name):
     real = np.zeros(ref.BUCKET, bool)
     real[: n + len(junk)] = order < n
     mixed = mixed.replace(mask=jax.numpy.asarray(real))
-    plain = compute_advantages(name, ref.to_batch(rows, pad_to=ref.BUCKET), cfg)
-    got = compute_advantages(name, mixed, cfg)
+    plain = np.asarray(compute_advantages(name, ref.to_batch(rows, pad_to=ref.BUCKET), cfg))
+    got = np.asarray(compute_advantages(name, mixed, cfg))
     np.testing.assert_allclose(got[real], plain[order[order < n]], atol=1e-5)
     assert np.all(got[~real] == 0)
 
@@ -243,3 +243,9 @@ def test_a_registered_estimator_is_jitted_and_callable_by_name():
 def test_bad_settings_are_one_clear_error(bad, message):
     with pytest.raises(ValueError, match=message):
         AdvantageConfig(**bad)
+
+
+def test_an_empty_batch_gives_no_advantages():
+    rows = RowBatch.create(group=[], meta_episode=[], episode=[], step=[], is_reflect=[], anchor=[], env_reward=[])
+    for name in ("gigpo", "rloo"):
+        assert compute_advantages(name, rows).shape == (0,)

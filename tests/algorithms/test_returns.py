@@ -137,15 +137,16 @@ def test_kernels_agree_with_the_literal_spec_reading_on_random_batches(design):
         batch = ref.to_batch(rows, pad_to=ref.BUCKET)
         expect = ref.credit(rows, design=design, invalid_penalty=0.5, length_penalty=1.5, max_len=100)
         n = len(rows)
-        d = meta_rewards(batch, design)
+        d = np.asarray(meta_rewards(batch, design))
         gamma_traj = 0.0 if design == "single_episode" else GT
         np.testing.assert_allclose(d[:n], expect["d"], atol=1e-5)
-        g = step_returns(batch, d, gamma_step=GS, gamma_traj=gamma_traj)
+        g = np.asarray(step_returns(batch, d, gamma_step=GS, gamma_traj=gamma_traj))
         np.testing.assert_allclose(g[:n], expect["G"], atol=1e-5)
         e = row_scores(batch, design, invalid_penalty=0.5, length_penalty=1.5, max_response_length=100)
+        e = np.asarray(e)
         np.testing.assert_allclose(e[:n], expect["e"], atol=1e-5)
         totals = [expect["meta_total"][(r["group"], r["meta_episode"])] for r in rows]
-        np.testing.assert_allclose(meta_episode_returns(batch, design)[:n], totals, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(meta_episode_returns(batch, design))[:n], totals, atol=1e-5)
 
 
 def _all_outputs(batch):
@@ -176,7 +177,7 @@ def test_padding_rows_with_arbitrary_contents_change_nothing():
 def test_permuting_rows_only_permutes_the_results():
     batch = ref.to_batch(ref.random_rows(21), pad_to=ref.BUCKET)
     perm = np.random.default_rng(0).permutation(batch.num_rows)
-    permuted = jax.tree.map(lambda a: a[perm], batch)
+    permuted = jax.tree.map(lambda a: jax.numpy.asarray(np.asarray(a)[perm]), batch)
     np.testing.assert_allclose(_all_outputs(permuted), _all_outputs(batch)[:, perm], atol=1e-6)
 
 
