@@ -246,7 +246,7 @@ def test_bad_settings_are_one_clear_error(bad, message):
 
 
 def test_an_empty_batch_gives_no_advantages():
-    empty = dict.fromkeys(("group", "meta_episode", "episode", "step", "is_reflect", "anchor", "env_reward"), [])
-    rows = RowBatch.create(**empty)
+    columns = ("group", "meta_episode", "episode", "step", "is_reflect", "anchor", "env_reward")
+    rows = RowBatch.create(**dict.fromkeys(columns, []))
     for name in ("gigpo", "rloo"):
         assert compute_advantages(name, rows).shape == (0,)
