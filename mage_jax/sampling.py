@@ -218,7 +218,7 @@ def constraint_masks(transitions: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 # --------------------------------------------------------------------------------- token choice
-def _choose(
+def choose_tokens(
     logits: jax.Array,
     allowed: jax.Array | None,
     key: jax.Array,
@@ -242,7 +242,7 @@ def _choose(
             vals, idx = jax.lax.top_k(scaled, top_k)
             if use_top_p:
                 vals = _top_p_filter_sorted(vals, top_p)
-            pick = jax.random.categorical(key, vals, axis=-1)
+            pick = sample_categorical(key, vals)
             token = jnp.take_along_axis(idx, pick[:, None], axis=1)[:, 0]
         else:
             if use_top_p:
@@ -251,10 +251,42 @@ def _choose(
                 # The smallest kept logit is the threshold; ties at it are all kept.
                 threshold = jnp.min(jnp.where(jnp.isfinite(kept), kept, jnp.inf), axis=-1, keepdims=True)
                 scaled = jnp.where(scaled >= threshold, scaled, _NEG_INF)
-            token = jax.random.categorical(key, scaled, axis=-1)
+            token = sample_categorical(key, scaled)
     token = token.astype(jnp.int32)
     logp = jnp.take_along_axis(logp_all, token[:, None], axis=1)[:, 0]
     return token, logp
+
+
+def sample_categorical(key: jax.Array, logits: jax.Array, *, block: int = 256) -> jax.Array:
+    """One draw per row from softmax(logits) [B,V] by inverting the CDF with one uniform per row.
+
+    The same distribution as ``jax.random.categorical`` (Gumbel-max), but with B random numbers
+    instead of B*V and a two-level CDF (block sums, then the one chosen block) instead of a prefix
+    sum over V: on CPU the Gumbel noise of a large vocabulary costs more than the model's decode step.
+    Tokens of probability 0 (-inf logits) are never drawn.
+    """
+    rows, vocab = logits.shape
+    logits = logits.astype(jnp.float32)
+    block = min(block, vocab)
+    blocks = -(-vocab // block)
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    shifted = jnp.pad(shifted, ((0, 0), (0, blocks * block - vocab)), constant_values=-jnp.inf)
+    weights = jnp.exp(shifted.reshape(rows, blocks, block))  # unnormalised probabilities
+    mass = weights.sum(axis=-1)  # [B, blocks]
+    cdf = jnp.cumsum(mass, axis=-1)
+    u = jax.random.uniform(key, (rows, 1), jnp.float32) * cdf[:, -1:]
+    chosen = _first_above(cdf, u, mass)
+    inner = jnp.take_along_axis(weights, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
+    below = jnp.take_along_axis(cdf - mass, chosen[:, None], axis=1)
+    offset = _first_above(jnp.cumsum(inner, axis=-1), u - below, inner)
+    return (chosen * block + offset).astype(jnp.int32)
+
+
+def _first_above(cdf: jax.Array, u: jax.Array, mass: jax.Array) -> jax.Array:
+    """Index of the first cdf entry above u; rounding past the end falls back to the last entry with mass."""
+    index = jnp.sum(cdf <= u, axis=-1)
+    last = mass.shape[-1] - 1 - jnp.argmax((mass > 0)[:, ::-1], axis=-1)
+    return jnp.minimum(index, last)
 
 
 def _top_p_filter_sorted(sorted_logits: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -507,7 +539,7 @@ class Sampler:
             max_len = cache.k.shape[2]
             max_new = max_len - prompt_len
             choose = functools.partial(
-                _choose,
+                choose_tokens,
                 temperature=temperature,
                 top_p=top_p,
                 greedy=static.greedy,

@@ -21,6 +21,7 @@ from mage_jax.sampling import (
     automaton_from_completions,
     choose_tokens,
     constraint_masks,
+    sample_categorical,
     stack_automata,
     truncate_at_stop_strings,
 )
@@ -183,6 +184,17 @@ def test_top_k_and_top_p_draw_only_from_the_kept_tokens():
     assert draw(0, 0.5, True)[0] == {0}
     assert draw(3, 0.9, True)[0] == {0, 1, 2}
     assert draw(0, 1.0, False)[0] == {0, 1, 2, 3}
+
+
+def test_inverse_cdf_sampling_draws_from_the_softmax_and_never_a_masked_token():
+    probs = np.asarray([0.1, 0.0, 0.25, 0.05, 0.0, 0.6, 0.0])  # blocks of 3: the middle block is partly empty
+    logits = jnp.log(jnp.asarray(np.tile(probs, (40000, 1)), jnp.float32))
+    tokens = np.asarray(
+        jax.jit(sample_categorical, static_argnames="block")(jax.random.key(3), logits, block=3)
+    )
+    freq = np.bincount(tokens, minlength=len(probs)) / len(tokens)
+    assert set(np.flatnonzero(freq)) == set(np.flatnonzero(probs))
+    np.testing.assert_allclose(freq, probs, atol=0.01)
 
 
 def test_greedy_is_the_argmax_of_the_allowed_tokens():
