@@ -1,0 +1,258 @@
+"""The three scales of every environment experiment, and the registry of environment experiments.
+
+Scales (``--preset``):
+
+* ``tiny`` — a 2-layer Qwen3-architecture decoder trained FROM SCRATCH on a CPU with the built-in
+  word-level tokenizer, compact prompts, constrained actions and trajectory memory (no reflections:
+  a random network cannot write them). Minutes per run; it exercises the whole method, not the
+  paper's model.
+* ``small`` — a Qwen3-0.6B-class model from a local Hugging Face folder (``--model-path DIR``),
+  full prompts with reflections, reduced batch and lengths (Colab / one GPU).
+* ``paper`` — Qwen3-4B from a local folder with the paper's settings (spec section 8), parameters
+  and optimizer state sharded over all devices (``mesh.fsdp=-1``: a TPU VM or a multi-GPU host).
+
+``EnvExperiment`` bundles what the experiment modules, ``experiments.baselines``, the ablations and
+``experiments.table1`` need to know about one environment: its presets, its evaluation protocol
+(``ExperimentOptions``: extra held-out splits, which split is the paper's table entry) and the titles
+of its splits. ``environment(name)`` returns it for every environment, Kuhn Poker included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from experiments.common import Preset, RunOptions, run_cli
+from experiments.harness import ExperimentOptions, evaluate_only, results_table, run_experiment
+from mage_jax import config as C
+
+
+@dataclasses.dataclass(frozen=True)
+class PaperSettings:
+    """One column of the paper's settings table (spec section 8)."""
+
+    num_tasks: int
+    group_size: int
+    iterations: int
+    max_turns: int
+    max_prompt_tokens: int
+    max_response_tokens: int
+    kl: bool
+    length_penalty: float
+    invalid_penalty: float
+    gamma_traj: float
+
+
+PAPER_SETTINGS: dict[str, PaperSettings] = {
+    "kuhn_poker": PaperSettings(16, 8, 150, 6, 4096, 8192, True, 2.0, 2.0, 0.6),
+    "tic_tac_toe": PaperSettings(16, 8, 150, 8, 4096, 3072, True, 2.0, 0.5, 0.6),
+    "alfworld": PaperSettings(8, 8, 150, 10, 4096, 1024, False, 0.0, 0.5, 0.6),
+    "sokoban": PaperSettings(16, 8, 300, 7, 4096, 4096, False, 1.0, 0.5, 0.9),
+    "webshop": PaperSettings(8, 8, 150, 12, 8192, 1024, False, 0.0, 0.5, 0.6),
+    # MineSweeper is a LaMer task; the paper gives no column, so it follows Sokoban's single-agent recipe.
+    "minesweeper": PaperSettings(16, 8, 300, 7, 4096, 4096, False, 1.0, 0.5, 0.6),
+}
+
+TINY_MODEL = {
+    "model.preset": "tiny",
+    "model.overrides": {"hidden_size": 64, "intermediate_size": 192, "num_layers": 2, "num_heads": 4,
+                        "num_kv_heads": 2, "head_dim": 16, "max_position_embeddings": 2048},
+    "tokenizer.kind": "word_level",
+}
+
+
+def tiny_overrides(*, max_prompt_tokens: int, max_response_tokens: int, invalid_penalty: float,
+                   iterations: int = 60, eval_meta_episodes: int = 256, heldout_meta_episodes: int = 128,
+                   num_tasks: int = 16, group_size: int = 8) -> dict[str, Any]:
+    """From-scratch CPU scale: the same optimisation recipe as the Kuhn Poker tiny preset."""
+    return {
+        **TINY_MODEL,
+        "rollout.num_tasks": num_tasks,
+        "rollout.group_size": group_size,
+        "rollout.num_episodes": 3,
+        "rollout.memory_mode": "history_only",
+        "rollout.reflect": False,
+        "rollout.prompt_style": "compact",
+        "rollout.constrained_actions": True,
+        "rollout.max_prompt_tokens": max_prompt_tokens,
+        "rollout.max_response_tokens": max_response_tokens,
+        "rollout.privileged_reflection": False,
+        "algorithm.invalid_penalty": invalid_penalty,
+        "algorithm.length_penalty": 0.0,
+        "optim.lr": 1e-3,
+        "optim.weight_decay": 0.0,
+        "optim.kl_coef": 0.0,
+        "optim.entropy_coef": 0.001,
+        "optim.mini_batch_rows": 64,
+        "train.iterations": iterations,
+        "train.eval_every": 20,
+        "train.eval_meta_episodes": eval_meta_episodes,
+        "train.eval_heldout_meta_episodes": heldout_meta_episodes,
+        "checkpoint.every": 20,
+        "checkpoint.keep": 2,
+    }
+
+
+def _pretrained(env: str, *, privileged_reflection: bool = False) -> dict[str, Any]:
+    p = PAPER_SETTINGS[env]
+    return {
+        "tokenizer.kind": "hf",
+        "tokenizer.enable_thinking": True,
+        "rollout.num_episodes": 3,
+        "rollout.memory_mode": "reflection_only",
+        "rollout.reflect": True,
+        "rollout.prompt_style": "full",
+        "rollout.constrained_actions": False,
+        "rollout.privileged_reflection": privileged_reflection,
+        "rollout.max_turns": p.max_turns,
+        "algorithm.invalid_penalty": p.invalid_penalty,
+        "algorithm.length_penalty": p.length_penalty,
+        "algorithm.gamma_traj": p.gamma_traj,
+        "optim.lr": 1e-6,
+        "optim.kl_coef": 0.1 if p.kl else 0.0,
+        "train.eval_every": 10,
+        "train.eval_meta_episodes": 128,
+        "train.eval_heldout_meta_episodes": 128,
+    }
+
+
+def small_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
+    """Qwen3-0.6B-class from a local folder: half the batch, shorter responses, 50 iterations."""
+    p = PAPER_SETTINGS[env]
+    return {
+        **_pretrained(env, **kwargs),
+        "model.preset": "qwen3-0.6b",
+        "rollout.num_tasks": max(4, p.num_tasks // 2),
+        "rollout.group_size": p.group_size,
+        "rollout.max_prompt_tokens": min(p.max_prompt_tokens, 4096),
+        "rollout.max_response_tokens": min(p.max_response_tokens, 1024),
+        "train.iterations": 50,
+    }
+
+
+def paper_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
+    """Qwen3-4B with the paper's settings; activations in bfloat16, state sharded over all devices."""
+    p = PAPER_SETTINGS[env]
+    return {
+        **_pretrained(env, **kwargs),
+        "model.preset": "qwen3-4b",
+        "model.dtype": "bfloat16",
+        "rollout.num_tasks": p.num_tasks,
+        "rollout.group_size": p.group_size,
+        "rollout.max_prompt_tokens": p.max_prompt_tokens,
+        "rollout.max_response_tokens": p.max_response_tokens,
+        "train.iterations": p.iterations,
+        "mesh.data": 1,
+        "mesh.fsdp": -1,
+    }
+
+
+def scale_presets(env_overrides: Mapping[str, Any], tiny: Mapping[str, Any], env: str,
+                  **pretrained_kwargs: Any) -> dict[str, Preset]:
+    """The ``tiny`` / ``small`` / ``paper`` presets of one environment."""
+    return {
+        "tiny": Preset({**env_overrides, **tiny},
+                       "from-scratch 2-layer model, word-level tokenizer, CPU, minutes"),
+        "small": Preset({**env_overrides, **small_overrides(env, **pretrained_kwargs)},
+                        "Qwen3-0.6B-class model from --model-path, reflections, full prompts",
+                        needs_model_path=True),
+        "paper": Preset({**env_overrides, **paper_overrides(env, **pretrained_kwargs)},
+                        "Qwen3-4B from --model-path, the paper's settings (spec section 8)",
+                        needs_model_path=True),
+    }
+
+
+SINGLE_AGENT = {"env.opponents": [], "env.opponent_ratios": [], "env.seats": "first",
+                "env.heldout_opponent": None}
+
+
+# ----------------------------------------------------------------------------------------------
+# environment experiments
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvExperiment:
+    """Everything the experiment entry points need to know about one environment."""
+
+    name: str
+    presets: Mapping[str, Preset]
+    options: Callable[[C.ExperimentConfig], ExperimentOptions]
+    titles: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    description: str = ""
+    default_preset: str = "tiny"
+
+    def config(self, preset: str = "tiny", overrides: Mapping[str, Any] | None = None, *,
+               check_paths: bool = True, experiment: str | None = None) -> C.ExperimentConfig:
+        """The validated config of ``preset`` with dotted ``overrides`` (a missing model folder is a
+        one-line ConfigError)."""
+        if preset not in self.presets:
+            known = ", ".join(self.presets)
+            raise C.ConfigError(f"unknown preset {preset!r} for {self.name}; known: {known}")
+        p = self.presets[preset]
+        cfg = C.apply_overrides(C.ExperimentConfig(name=experiment or self.name), p.overrides)
+        cfg = C.apply_overrides(cfg, dict(overrides or {}))
+        if p.needs_model_path and cfg.model.path is None:
+            raise C.ConfigError(
+                f"preset {preset!r} loads a pretrained model: pass its local Hugging Face folder with "
+                "--model-path DIR (config.json, *.safetensors, tokenizer files)")
+        return C.validate(cfg, check_paths=check_paths)
+
+    def run(self, cfg: C.ExperimentConfig, options: RunOptions | None = None, *,
+            eval_only: bool = False, experiment_options: ExperimentOptions | None = None) -> dict[str, Any]:
+        """Train (or only evaluate) ``cfg``; returns the summary (``summary["trainer"]`` when trained)."""
+        opts = experiment_options or self.options(cfg)
+        if eval_only:
+            return evaluate_only(cfg, opts, experiment=cfg.name)
+        result = run_experiment(cfg, opts, resume=bool(options and options.resume), experiment=cfg.name)
+        summary = dict(result.summary)
+        summary["trainer"] = result.trainer
+        return summary
+
+    def main(self, argv: Sequence[str] | None = None) -> int:
+        def run(cfg: C.ExperimentConfig, options: RunOptions) -> int:
+            summary = self.run(cfg, options)
+            if summary.get("status") != "finished":
+                print(f"stopped at iteration {summary.get('iteration')}; continue with: python -m "
+                      f"experiments.{self.name} --run-dir {options.run_dir} --resume", file=sys.stderr)
+                return 0
+            print(results_table(summary, self.titles))
+            return 0
+
+        return run_cli(argv, run, experiment=self.name, presets=self.presets,
+                       default_preset=self.default_preset, description=self.description)
+
+
+ENVIRONMENT_MODULES = {
+    "kuhn_poker": "experiments.presets",
+    "tic_tac_toe": "experiments.tic_tac_toe",
+    "sokoban": "experiments.sokoban",
+    "minesweeper": "experiments.minesweeper",
+    "alfworld": "experiments.alfworld",
+    "webshop": "experiments.webshop",
+}
+
+
+def environment(name: str) -> EnvExperiment:
+    """The ``EnvExperiment`` of an environment (its module is imported on demand)."""
+    if name not in ENVIRONMENT_MODULES:
+        raise C.ConfigError(f"unknown environment {name!r}; known: {', '.join(ENVIRONMENT_MODULES)}")
+    if name == "kuhn_poker":
+        return kuhn_experiment()
+    return importlib.import_module(ENVIRONMENT_MODULES[name]).SPEC
+
+
+def kuhn_experiment() -> EnvExperiment:
+    """Kuhn Poker's presets come from ``experiments.kuhn_poker``; its oracle gives the references."""
+    from experiments import kuhn_poker
+
+    return EnvExperiment(
+        name="kuhn_poker",
+        presets=kuhn_poker.PRESETS,
+        options=lambda cfg: ExperimentOptions(random_reference=False),
+        titles={"eval": "training pool (held-out deals, mixed seats)",
+                "heldout": "held-out CFR opponent (agent second)"},
+        description="MAGE on Kuhn Poker",
+    )

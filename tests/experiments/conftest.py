@@ -1,0 +1,168 @@
+"""Fixtures of the experiment tests: a compilation cache shared by the end-to-end runs, the smallest
+run settings, and a tiny random Hugging Face Qwen3 model + tokenizer folder built locally."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+SMOKE_MODEL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_layers": 1,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "max_position_embeddings": 2048,
+}
+
+SMOKE = {
+    "model.overrides": SMOKE_MODEL,
+    "rollout.num_tasks": 2,
+    "rollout.group_size": 2,
+    "train.iterations": 1,
+    "train.eval_every": 0,
+    "train.eval_meta_episodes": 4,
+    "train.eval_heldout_meta_episodes": 4,
+    "tokenizer.corpus_meta_episodes": 8,
+    "logging.progress": False,
+    "logging.plots": False,
+    "checkpoint.every": 0,
+}
+"""The quickstart notebook's MAGE_SMOKE sizes: end-to-end runs share compiled programs through the cache."""
+
+
+def _smoke_args(overrides: dict | None = None) -> list[str]:
+    """``--set KEY=VALUE`` arguments for a command line (JSON for dicts and lists)."""
+    args = []
+    for key, value in {**SMOKE, **(overrides or {})}.items():
+        if isinstance(value, (dict, list)):
+            text = json.dumps(value)
+        else:
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+        args += ["--set", f"{key}={text}"]
+    return args
+
+
+@pytest.fixture
+def smoke_args():
+    """Function: the smoke settings as command-line arguments (plus optional extra overrides)."""
+    return _smoke_args
+
+
+@pytest.fixture(scope="session")
+def compilation_cache(tmp_path_factory):
+    """A persistent XLA cache for this session (and for notebook kernels started from it): the
+    end-to-end runs build the same programs again and again, and compiling dominates their time."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = str(tmp_path_factory.mktemp("xla_cache"))
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    old = {name: getattr(jax.config, name) for name in names}
+    env = {
+        "JAX_COMPILATION_CACHE_DIR": path,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+    old_env = {k: os.environ.get(k) for k in env}
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    cc.reset_cache()
+    os.environ.update(env)
+    yield path
+    for name, value in old.items():
+        jax.config.update(name, value)
+    cc.reset_cache()
+    for k, v in old_env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+# ------------------------------------------------------------------------------------------------
+# a tiny random Hugging Face model folder
+
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def _corpus() -> list[str]:
+    """Prompt text of both games, so that the byte-level BPE compresses prompts a little."""
+    from mage_jax.envs.kuhn_poker import KUHN_PROMPT_SPEC
+    from mage_jax.envs.tic_tac_toe import TIC_TAC_TOE_PROMPT_SPEC
+
+    return [
+        KUHN_PROMPT_SPEC.preamble,
+        TIC_TAC_TOE_PROMPT_SPEC.preamble,
+        "Your Card: Queen | Actions: Player 0: Pass -> Player 1: Bet",
+        ". X .\nO . .\n. . X",
+        "<action>PASS</action> <action>BET</action> <action>(1, 2)</action> <remark>plan</remark>",
+        "Currently on trial #2. On trial #1 the task was NOT successfully completed. Your reflection:",
+    ]
+
+
+def build_hf_model_folder(path) -> str:
+    """A byte-level BPE tokenizer with a Qwen3-style chat template and a 1-layer random Qwen3 model."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=800, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    raw.train_from_iterator(_corpus() * 8, trainer=trainer)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=QWEN3_STYLE_TEMPLATE,
+    )
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(str(path))
+    eos = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    config = transformers.Qwen3Config(
+        vocab_size=-(-len(tok) // 8) * 8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=eos[0],
+        pad_token_id=eos[1],
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory) -> str:
+    return build_hf_model_folder(tmp_path_factory.mktemp("tiny_qwen3"))

@@ -1,0 +1,114 @@
+"""The ablation modules: their variants, and one tiny end-to-end run of each (one seed, one iteration)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from experiments.ablations import ABLATIONS
+from experiments.ablations.opponent_pool import skewed_pool
+from experiments.ablations.opponent_pool import variants as pool_variants
+from experiments.presets import environment
+from experiments.suite import variant_config
+
+VARIANTS = {
+    "reward_design": ("differential", "cumulative", "single_episode"),
+    "anchors": ("global", "local"),
+    "grouping": ("stationary", "mixed"),
+    "opponent_pool": ("balanced", "pattern_skewed", "single_fixed"),
+}
+
+
+def _module(name):
+    return importlib.import_module(f"experiments.ablations.{name}")
+
+
+@pytest.mark.parametrize("name", ABLATIONS)
+def test_every_ablation_defines_its_paper_variants(name):
+    ablation = _module(name).ABLATION
+    assert ablation.variant_names == VARIANTS[name]
+    assert [v.name for v in ablation.variants("kuhn_poker")] == list(VARIANTS[name])
+
+
+@pytest.mark.parametrize(
+    "name, key",
+    [("reward_design", "algorithm.reward"), ("anchors", "algorithm.anchor"), ("grouping", "env.grouping")],
+)
+def test_variants_change_only_the_ablated_setting(name, key, tmp_path):
+    env = environment("kuhn_poker")
+    configs = {
+        v.name: variant_config(env, v, "tiny", 0, str(tmp_path), {})
+        for v in _module(name).ABLATION.variants("kuhn_poker")
+    }
+    section, field = key.split(".")
+    assert {n: getattr(getattr(c, section), field) for n, c in configs.items()} == {n: n for n in configs}
+    dicts = [
+        {
+            k: v
+            for k, v in __import__("mage_jax.config", fromlist=["to_dict"]).to_dict(c).items()
+            if k not in (section, "name")
+        }
+        for c in configs.values()
+    ]
+    assert all(d == dicts[0] for d in dicts)
+
+
+@pytest.mark.parametrize("env", ["kuhn_poker", "tic_tac_toe"])
+def test_pool_variants_train_on_their_pool_and_are_all_evaluated_on_the_balanced_pool(env, tmp_path):
+    spec = environment(env)
+    balanced = dict(zip(spec.config("tiny").env.opponents, spec.config("tiny").env.opponent_ratios))
+    pools = {}
+    for v in pool_variants(env):
+        cfg = variant_config(spec, v, "tiny", 0, str(tmp_path), {})
+        pools[v.name] = dict(zip(cfg.env.opponents, cfg.env.opponent_ratios))
+        assert dict(v.options["eval_pool"]) == balanced
+    assert pools["balanced"] == balanced
+    assert len(pools["single_fixed"]) == 1
+    assert abs(sum(pools["pattern_skewed"].values()) - 1) < 1e-9
+    assert pools["pattern_skewed"] != balanced and set(pools["pattern_skewed"]) <= set(balanced)
+
+
+def test_tic_tac_toe_skewed_pool_shrinks_mcts_to_a_tenth():
+    pool = skewed_pool("tic_tac_toe")
+    assert pool["mcts-100"] == pytest.approx(0.1) and pool["random"] == pytest.approx(0.9 / 7)
+
+
+@pytest.mark.parametrize("name", ABLATIONS)
+def test_ablation_runs_end_to_end_and_writes_a_table_and_a_plot(
+    name, tmp_path, compilation_cache, smoke_args
+):
+    out = tmp_path / name
+    assert _module(name).main(["--seeds", "0", "--out-dir", str(out), *smoke_args()]) == 0
+    table = (out / "table.md").read_text()
+    for variant in VARIANTS[name]:
+        assert f"| {variant} | 1 |" in table
+        assert (out / variant / "seed0" / "summary.json").is_file()
+    assert "*random policy (same meta-episodes)*" in table and "winnable share" in table
+    assert (out / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    assert "not finished" not in table
+
+
+def test_a_finished_ablation_is_collected_without_running_again(
+    tmp_path, capsys, compilation_cache, smoke_args
+):
+    out = tmp_path / "anchors"
+    args = ["--seeds", "0", "--out-dir", str(out), "--variants", "local", *smoke_args()]
+    assert _module("anchors").main(args) == 0
+    first = (out / "table.md").read_text()
+    assert _module("anchors").main(args + ["--collect-only"]) == 0
+    assert (out / "table.md").read_text() == first
+    assert "[suite] local seed 0: running" not in capsys.readouterr().out.split("| variant")[-1]
+
+
+def test_collect_only_reports_runs_that_are_not_finished(tmp_path):
+    out = tmp_path / "grouping"
+    assert _module("grouping").main(["--seeds", "0", "--out-dir", str(out), "--collect-only"]) == 0
+    assert "not finished: stationary/seed0, mixed/seed0" in (out / "table.md").read_text()
+
+
+def test_ablation_at_paper_scale_without_a_model_folder_is_one_error_line(capsys, tmp_path):
+    assert _module("reward_design").main(["--preset", "paper", "--out-dir", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: preset 'paper' loads a pretrained model") and "\n" not in err
+    assert not (tmp_path / "x").exists()

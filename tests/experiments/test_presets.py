@@ -1,0 +1,142 @@
+"""Every experiment module and preset parses and builds its configuration; pretrained presets need a
+local model folder and say so in one line."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from experiments.common import parse_command_line
+from experiments.presets import ENVIRONMENT_MODULES, PAPER_SETTINGS, environment
+from mage_jax import config as C
+
+ENVS = tuple(ENVIRONMENT_MODULES)
+MODULES = (
+    "experiments.tic_tac_toe",
+    "experiments.sokoban",
+    "experiments.minesweeper",
+    "experiments.alfworld",
+    "experiments.webshop",
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A folder that passes the config's path checks (config.json); no weights are loaded here."""
+    path = tmp_path_factory.mktemp("fake_model")
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    return str(path)
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_every_environment_has_the_three_scales(env):
+    assert set(environment(env).presets) >= {"tiny", "small", "paper"}
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_tiny_preset_is_a_from_scratch_cpu_config(env):
+    cfg = environment(env).config("tiny")
+    assert cfg.env.name == env
+    assert cfg.model.path is None and cfg.tokenizer.kind == "word_level"
+    assert cfg.algorithm.reward == "differential" and cfg.algorithm.estimator == "gigpo"
+    assert cfg.rollout.num_episodes == 3
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("preset", ["small", "paper"])
+def test_pretrained_presets_without_a_model_folder_fail_with_one_line(env, preset):
+    with pytest.raises(C.ConfigError) as err:
+        environment(env).config(preset)
+    assert "--model-path" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_pretrained_presets_with_a_missing_folder_name_the_folder(env, tmp_path):
+    with pytest.raises(C.ConfigError, match="is not a folder"):
+        environment(env).config("paper", {"model.path": str(tmp_path / "absent")})
+
+
+@pytest.mark.parametrize("env", [e for e in ENVS if e != "kuhn_poker"])
+def test_paper_preset_follows_the_paper_settings_table(env, model_dir):
+    cfg = environment(env).config("paper", {"model.path": model_dir})
+    p = PAPER_SETTINGS[env]
+    assert (cfg.rollout.num_tasks, cfg.rollout.group_size, cfg.train.iterations) == (
+        p.num_tasks,
+        p.group_size,
+        p.iterations,
+    )
+    assert (cfg.rollout.max_prompt_tokens, cfg.rollout.max_response_tokens) == (
+        p.max_prompt_tokens,
+        p.max_response_tokens,
+    )
+    assert cfg.rollout.max_turns == p.max_turns
+    assert cfg.optim.kl_coef == (0.1 if p.kl else 0.0) and cfg.optim.lr == 1e-6
+    assert cfg.algorithm.length_penalty == p.length_penalty
+    assert cfg.algorithm.invalid_penalty == p.invalid_penalty and cfg.algorithm.gamma_traj == p.gamma_traj
+    assert cfg.tokenizer.kind == "hf" and cfg.rollout.reflect and cfg.rollout.memory_mode == "reflection_only"
+    assert cfg.mesh.fsdp == -1 and cfg.model.dtype == "bfloat16"
+
+
+def test_paper_sokoban_propagates_across_episodes_with_gamma_09(model_dir):
+    assert environment("sokoban").config("paper", {"model.path": model_dir}).algorithm.gamma_traj == 0.9
+
+
+@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("preset", ["tiny", "small", "paper"])
+def test_command_line_of_every_module_and_preset_builds_the_config(module, preset, model_dir, tmp_path):
+    mod = importlib.import_module(module)
+    argv = ["--preset", preset, "--run-dir", str(tmp_path / "run"), "--train.iterations", "3"]
+    if preset != "tiny":
+        argv += ["--model-path", model_dir]
+    cfg, options = parse_command_line(
+        argv, experiment=mod.EXPERIMENT, presets=mod.PRESETS, default_preset="tiny"
+    )
+    assert cfg.train.iterations == 3 and options.run_dir == str(tmp_path / "run")
+    assert cfg.env.name == mod.SPEC.name
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_missing_model_folder_on_the_command_line_is_one_error_line(module, capsys, tmp_path):
+    mod = importlib.import_module(module)
+    assert mod.main(["--preset", "paper", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: preset 'paper' loads a pretrained model") and "\n" not in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_tic_tac_toe_reports_mcts100_first_as_table_entry_and_mcts1000_held_out():
+    spec = environment("tic_tac_toe")
+    cfg = spec.config("tiny")
+    opts = spec.options(cfg)
+    assert cfg.env.heldout_opponent == "mcts-1000" and cfg.env.heldout_seat == "first"
+    assert opts.headline_split == "mcts100_first"
+    (split,) = opts.extra_splits
+    assert (split.opponent, split.seat) == ("mcts-100", "first")
+    assert abs(sum(cfg.env.opponent_ratios) - 1) < 1e-9 and cfg.env.opponent_ratios[0] == 0.5
+
+
+def test_sokoban_evaluates_one_and_three_boxes_held_out():
+    spec = environment("sokoban")
+    cfg = spec.config("tiny")
+    assert cfg.env.options == {"num_boxes": 2} and cfg.env.opponents == ()
+    assert {s.name: dict(s.env_options) for s in spec.options(cfg).extra_splits} == {
+        "boxes_1": {"num_boxes": 1},
+        "boxes_3": {"num_boxes": 3},
+    }
+
+
+def test_alfworld_and_webshop_evaluate_their_held_out_splits():
+    alf = environment("alfworld")
+    splits = {s.name: dict(s.env_options) for s in alf.options(alf.config("tiny")).extra_splits}
+    assert splits == {"valid_seen": {"split": "valid_seen"}, "valid_unseen": {"split": "valid_unseen"}}
+    web = environment("webshop")
+    assert [dict(s.env_options) for s in web.options(web.config("tiny")).extra_splits] == [{"split": "test"}]
+
+
+def test_unknown_environment_and_preset_are_config_errors():
+    with pytest.raises(C.ConfigError, match="unknown environment"):
+        environment("chess")
+    with pytest.raises(C.ConfigError, match="unknown preset"):
+        environment("sokoban").config("huge")
