@@ -380,3 +380,44 @@ def test_greedy_generation_matches_hugging_face_generate(arch, tmp_path):
     assert [t.tolist() for t in out.tokens] == expected
     assert max(len(t) for t in expected) > 8  # the comparison covers long continuations
     assert out.finished.tolist() == [r[-1] == EOS for r in expected]
+
+
+# ------------------------------------------------------------------------------------------ sharding
+_MESH_SCRIPT = """
+import json, jax, numpy as np
+from flax import nnx
+from mage_jax.models.config import ModelConfig
+from mage_jax.models.sharding import MeshConfig, make_mesh
+from mage_jax.models.transformer import Transformer
+from mage_jax.sampling import Sampler, SamplingParams
+config = ModelConfig.preset("tiny", vocab_size=64, num_layers=1, hidden_size=64, intermediate_size=128)
+graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+params = SamplingParams(greedy=True, max_new_tokens=6)
+out = {}
+for name, mesh in (("single", None), ("mesh", make_mesh(MeshConfig(data=1, fsdp=2, tensor=1)))):
+    sampler = Sampler(graphdef, config, eos_ids=[3], pad_id=0, prompt_buckets=(8,), batch_buckets=(4,),
+                      mesh=mesh)
+    result = sampler.generate(state, prompts, params, jax.random.key(0))
+    out[name] = [t.tolist() for t in result.tokens]
+    if mesh is not None:  # the state was placed by the partition rules: some leaves split over devices
+        leaves = jax.tree.leaves(sampler.state_shardings)
+        out["split_leaves"] = sum(any(axis is not None for axis in s.spec) for s in leaves)
+print(json.dumps(out))
+"""
+
+
+def test_generation_on_a_two_device_mesh_matches_a_single_device():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", _MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["split_leaves"] > 0
+    assert out["mesh"] == out["single"]
