@@ -22,6 +22,8 @@ SMOKE = {
     "model.overrides": SMOKE_MODEL,
     "rollout.num_tasks": 2,
     "rollout.group_size": 2,
+    "rollout.num_episodes": 2,
+    "train.eval_num_episodes": 2,
     "train.iterations": 1,
     "train.eval_every": 0,
     "train.eval_meta_episodes": 4,
