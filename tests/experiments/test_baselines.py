@@ -67,7 +67,8 @@ def test_grpo_baseline_trains_and_is_evaluated_over_independent_attempts(
     tmp_path, compilation_cache, smoke_args
 ):
     run_dir = tmp_path / "grpo"
-    argv = ["--env", "kuhn_poker", "--method", "grpo", "--run-dir", str(run_dir), *smoke_args()]
+    argv = ["--env", "kuhn_poker", "--method", "grpo", "--run-dir", str(run_dir)]
+    argv += smoke_args({"rollout.num_episodes": 1})
     assert baselines.main(argv) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert json.loads((run_dir / "experiment.json").read_text())["eval_mode"] == "independent"
