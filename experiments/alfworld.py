@@ -7,6 +7,11 @@ evaluation reports
 * ``valid_seen`` — in-domain games (the paper's Table 1 entry: MAGE 0.914), per task type;
 * ``valid_unseen`` — held-out games (the paper: 78.9%).
 
+ALFWorld's game files are read from a local folder (``$ALFWORLD_DATA`` or
+``--env.options '{"split": "train", "data_dir": "/data/alfworld"}'``; evaluation splits inherit the
+other options). LaMer's split trains on four task types and holds out Cool and Pick-Two:
+``--env.options '{"split": "lamer_train"}'`` adds the ``lamer_heldout`` evaluation.
+
 The ``tiny`` preset only checks the pipeline end to end: a model trained from scratch on a CPU cannot
 read household instructions; use ``small`` or ``paper`` with a local model folder for results.
 
@@ -28,6 +33,7 @@ from mage_jax import config as C
 EXPERIMENT = "alfworld"
 IN_DOMAIN_SPLIT = "valid_seen"
 HELD_OUT_SPLIT = "valid_unseen"
+LAMER_TRAIN, LAMER_HELD_OUT = "lamer_train", "lamer_heldout"
 
 ENV = {
     **SINGLE_AGENT,
@@ -47,11 +53,12 @@ PRESETS = scale_presets(ENV, TINY, "alfworld")
 
 def options(cfg: C.ExperimentConfig) -> ExperimentOptions:
     n = cfg.train.eval_heldout_meta_episodes or cfg.train.eval_meta_episodes
+    splits = [EvalSplit(IN_DOMAIN_SPLIT, env_options={"split": IN_DOMAIN_SPLIT}, meta_episodes=n),
+              EvalSplit(HELD_OUT_SPLIT, env_options={"split": HELD_OUT_SPLIT}, meta_episodes=n)]
+    if cfg.env.options.get("split") == LAMER_TRAIN:
+        splits.append(EvalSplit(LAMER_HELD_OUT, env_options={"split": LAMER_HELD_OUT}, meta_episodes=n))
     return ExperimentOptions(
-        extra_splits=(
-            EvalSplit(IN_DOMAIN_SPLIT, env_options={"split": IN_DOMAIN_SPLIT}, meta_episodes=n),
-            EvalSplit(HELD_OUT_SPLIT, env_options={"split": HELD_OUT_SPLIT}, meta_episodes=n),
-        ),
+        extra_splits=tuple(splits),
         random_reference=False,
         headline_split=IN_DOMAIN_SPLIT,
     )
@@ -62,7 +69,7 @@ SPEC = EnvExperiment(
     presets=PRESETS,
     options=options,
     titles={"eval": "training games, held-out instances", IN_DOMAIN_SPLIT: "valid_seen (in-domain, Table 1)",
-            HELD_OUT_SPLIT: "valid_unseen (held-out)"},
+            HELD_OUT_SPLIT: "valid_unseen (held-out)", LAMER_HELD_OUT: "LaMer's held-out task types"},
     description="MAGE on ALFWorld",
 )
 

@@ -131,6 +131,8 @@ def test_alfworld_and_webshop_evaluate_their_held_out_splits():
     alf = environment("alfworld")
     splits = {s.name: dict(s.env_options) for s in alf.options(alf.config("tiny")).extra_splits}
     assert splits == {"valid_seen": {"split": "valid_seen"}, "valid_unseen": {"split": "valid_unseen"}}
+    lamer = alf.config("tiny", {"env.options": {"split": "lamer_train"}})
+    assert [s.name for s in alf.options(lamer).extra_splits][-1] == "lamer_heldout"
     web = environment("webshop")
     assert [dict(s.env_options) for s in web.options(web.config("tiny")).extra_splits] == [{"split": "test"}]
 
