@@ -48,8 +48,9 @@ class EnvConfig:
     """``mixed`` (agent second in half the meta-episodes), ``first`` or ``second``."""
     grouping: str = "stationary"
     """``stationary``: one opponent per group; ``mixed``: opponents mixed inside a group (ablation)."""
-    eval_seed_offset: int = 1_000_000
-    """Evaluation instances are drawn from seeds at this offset: held out from training."""
+    eval_seed: int = 1_000_003
+    """Seed of the held-out evaluation instances (disjoint from training seeds; independent of
+    ``train.seed``, so runs with different seeds are evaluated on the same instances)."""
     heldout_opponent: str | None = "cfr"
     """Extra held-out evaluation opponent (None: none)."""
     heldout_seat: str = "second"
@@ -121,9 +122,14 @@ class RolloutConfig:
     """Reflect-row generation limit; None: same as max_response_tokens."""
     max_turns: int | None = None
     """Per-episode turn limit; None: the environment's own."""
+    length_buckets: tuple[int, ...] = ()
+    """Token-length buckets of prompts (sampler) and of prompt + response rows (training); each bucket
+    compiles once. Empty: 64, 96, 128, 192, ... up to the limits."""
+    privileged_reflection: bool = True
+    """Training reflect prompts show the environment's privileged text (Kuhn's both-cards quirk, spec 7.1)."""
 
 
-ADVANTAGE_ESTIMATORS = ("gigpo", "grpo", "rloo", "episode_only", "step_only", "reinforce")
+ADVANTAGE_ESTIMATORS = ("gigpo", "grpo", "rloo")
 REWARD_DESIGNS = ("differential", "cumulative", "single_episode")
 MEMORY_MODES = ("reflection_only", "history_only", "history_and_reflection")
 
@@ -151,8 +157,8 @@ class AlgorithmConfig:
     """c_len; 0 disables the overlong-response penalty."""
 
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "mse")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_KINDS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +179,10 @@ class OptimConfig:
     kl_coef: float = 0.1
     """0 disables the KL term (and the frozen reference model)."""
     kl_kind: str = "k3"
-    kl_clamp: float = 10.0
+    """KL estimator (k3 is clamped to [-10, 10] by ``losses.kl_penalty``)."""
     aggregation: str = "token-mean"
+    group_by_length: bool = True
+    """Mini-batches of rows of similar length (shuffled blocks): each needs only its own length bucket."""
     logprob_chunk: int = 512
     """Tokens per chunk in the log-prob computation (bounds the [chunk, vocab] logits buffer)."""
 
@@ -466,7 +474,7 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     _one_of("env.seats", e.seats, ("mixed", "first", "second"))
     _one_of("env.heldout_seat", e.heldout_seat, ("mixed", "first", "second"))
     _one_of("env.grouping", e.grouping, ("stationary", "mixed"))
-    _check(e.eval_seed_offset >= 0, "env.eval_seed_offset must be >= 0")
+    _check(e.eval_seed >= 0, "env.eval_seed must be >= 0")
     # model / tokenizer
     _check(bool(cfg.model.preset) or cfg.model.path is not None, "model.preset or model.path must be set")
     _one_of("model.dtype", cfg.model.dtype, ("float32", "bfloat16"))
@@ -514,6 +522,7 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
         _check(r.max_reflection_tokens >= 1, "rollout.max_reflection_tokens must be >= 1")
     if r.max_turns is not None:
         _check(r.max_turns >= 1, f"rollout.max_turns must be >= 1 (got {r.max_turns})")
+    _check(all(b >= 1 for b in r.length_buckets), "rollout.length_buckets must be positive")
     if e.grouping == "stationary" and e.opponents:
         pass  # any B works: groups are assigned in blocks by ratio
     # algorithm
@@ -539,7 +548,6 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     _check(o.entropy_coef >= 0, f"optim.entropy_coef must be >= 0 (got {o.entropy_coef})")
     _check(o.kl_coef >= 0, f"optim.kl_coef must be >= 0 (got {o.kl_coef})")
     _one_of("optim.kl_kind", o.kl_kind, KL_KINDS)
-    _check(o.kl_clamp > 0, "optim.kl_clamp must be > 0")
     _one_of("optim.aggregation", o.aggregation, AGGREGATIONS)
     _check(o.logprob_chunk >= 1, "optim.logprob_chunk must be >= 1")
     # loop
@@ -563,12 +571,10 @@ def _estimator_names() -> tuple[str, ...]:
     try:
         from mage_jax.algorithms import advantages
 
-        names = getattr(advantages, "available_estimators", None) or getattr(advantages, "ESTIMATORS", None)
-        if callable(names):
-            names = names()
+        names = advantages.available_advantages()
         if names:
             return tuple(sorted(names))
-    except ImportError:
+    except (ImportError, AttributeError):
         pass
     return ADVANTAGE_ESTIMATORS
 

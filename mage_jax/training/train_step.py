@@ -182,17 +182,46 @@ class TrainStep:
             self._logprobs = jax.jit(fn, out_shardings=self._batch_sharding)
         return self._logprobs(params, batch)
 
-    def update(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One optimizer step on one mini-batch (``state`` is donated)."""
+    def update(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, Any]]:
+        """One optimizer step on one mini-batch (``state`` is donated).
+
+        Two jitted programs: the loss and gradients (compiled once per mini-batch shape) and the
+        optimizer step with the non-finite skip (shape independent, compiled once), so a new length
+        bucket only recompiles the first.
+        """
         if self._update is None:
+            self._grads = jax.jit(self._grads_fn, out_shardings=(self.state_shardings(state).params,
+                                                                  self._replicated))
             self._update = jax.jit(
-                self._update_fn,
+                self._apply_fn,
                 donate_argnums=(0,),
                 out_shardings=(self.state_shardings(state), self._replicated),
             )
-        return self._update(state, batch)
+        grads, metrics = self._grads(state.params, batch)
+        return self._update(state, grads, metrics)
 
-    def _update_fn(self, state: TrainState, batch: dict[str, jax.Array]):
+    def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array]):
+        finite = jnp.isfinite(metrics["loss"]) & _all_finite(grads)
+        updates, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+
+        def keep_if_skipped(new, old):
+            return jnp.where(finite, new, old)
+
+        new_state = TrainState(
+            params=jax.tree.map(keep_if_skipped, new_params, state.params),
+            opt_state=jax.tree.map(keep_if_skipped, new_opt_state, state.opt_state),
+            step=state.step + finite.astype(jnp.int32),
+        )
+        metrics = dict(metrics)
+        metrics.update(
+            grad_norm=optax.global_norm(grads),
+            lr=jnp.asarray(self.schedule(state.step), jnp.float32),
+            skipped=(~finite).astype(jnp.float32),
+        )
+        return new_state, metrics
+
+    def _grads_fn(self, params: Any, batch: dict[str, jax.Array]):
         cfg = self.config
         mask = batch["response_mask"]
 
@@ -219,28 +248,27 @@ class TrainStep:
             }
             return loss, metrics
 
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        finite = jnp.isfinite(loss) & _all_finite(grads)
-        updates, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        metrics = dict(metrics, loss=loss, response_tokens=mask.sum().astype(jnp.float32))
+        return grads, metrics
 
-        def keep_if_skipped(new, old):
-            return jnp.where(finite, new, old)
 
-        new_state = TrainState(
-            params=jax.tree.map(keep_if_skipped, new_params, state.params),
-            opt_state=jax.tree.map(keep_if_skipped, new_opt_state, state.opt_state),
-            step=state.step + finite.astype(jnp.int32),
-        )
-        metrics = dict(metrics)
-        metrics.update(
-            loss=loss,
-            grad_norm=optax.global_norm(grads),
-            lr=jnp.asarray(self.schedule(state.step), jnp.float32),
-            skipped=(~finite).astype(jnp.float32),
-            response_tokens=mask.sum().astype(jnp.float32),
-        )
-        return new_state, metrics
+def length_grouped_minibatches(lengths: np.ndarray, size: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Mini-batches of ``size`` rows of similar length, in random order (``-1`` pads the last one).
+
+    Rows are shuffled, stably sorted by length and cut into consecutive blocks, so each mini-batch
+    needs only the length bucket of its own longest row; the order of the blocks is random. Every row
+    is used exactly once per epoch, as with plain shuffling.
+    """
+    lengths = np.asarray(lengths)
+    n = len(lengths)
+    order = rng.permutation(n)
+    order = order[np.argsort(lengths[order], kind="stable")]
+    count = max(1, -(-n // size))
+    padded = np.full(count * size, -1, dtype=np.int64)
+    padded[:n] = order
+    blocks = [padded[i * size:(i + 1) * size] for i in range(count)]
+    return [blocks[i] for i in rng.permutation(count)]
 
 
 def minibatch_arrays(
@@ -251,18 +279,21 @@ def minibatch_arrays(
     old_logprobs: np.ndarray | None = None,
     ref_logprobs: np.ndarray | None = None,
     constrained: bool = False,
+    length: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Host arrays of rows ``index`` (``-1``: a masked padding row) of a ``PackedBatch``.
 
     ``advantages`` is per row ``[R]`` of the whole batch; ``old_logprobs`` / ``ref_logprobs`` are
-    ``[n, T]`` arrays already aligned with ``index``.
+    ``[n, >= length]`` arrays already aligned with ``index``. ``length`` cuts the token axis (rows are
+    right-padded, so any length that holds the longest selected row loses nothing).
     """
     index = np.asarray(index, dtype=np.int64)
     pad = index < 0
     safe = np.where(pad, 0, index)
+    length = packed.tokens.shape[1] if length is None else int(length)
     out: dict[str, np.ndarray] = {}
     for name in BATCH_FIELDS:
-        arr = np.asarray(getattr(packed, name))[safe].copy()
+        arr = np.asarray(getattr(packed, name))[safe, :length].copy()
         if pad.any():
             arr[pad] = packed.pad_id if name in ("tokens", "targets") else 0
         out[name] = arr
@@ -270,9 +301,9 @@ def minibatch_arrays(
     if advantages is not None:
         out["advantages"] = np.where(pad, 0.0, np.asarray(advantages, np.float32)[safe]).astype(np.float32)
     if old_logprobs is not None:
-        out["old_logprobs"] = np.asarray(old_logprobs, np.float32)
+        out["old_logprobs"] = np.asarray(old_logprobs, np.float32)[:, :length]
     if ref_logprobs is not None:
-        out["ref_logprobs"] = np.asarray(ref_logprobs, np.float32)
+        out["ref_logprobs"] = np.asarray(ref_logprobs, np.float32)[:, :length]
     if constrained:
         trans = packed.row_transitions(safe)
         if trans is not None:
