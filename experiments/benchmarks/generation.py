@@ -27,8 +27,15 @@ from typing import Any
 import numpy as np
 
 MODEL = dict(
-    vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True,
+    vocab_size=16384,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
 )
 
 
@@ -64,8 +71,14 @@ def bench_ours(folder: str, prompts: list[list[int]], new_tokens: int, repeats: 
 
     config = dataclasses.replace(ModelConfig.from_hf_dir(folder), param_dtype=dtype, dtype=dtype)
     config, graphdef, state = load_hf_params(folder, config)
-    sampler = Sampler(graphdef, config, eos_ids=[eos], pad_id=0, prompt_buckets=(len(prompts[0]),),
-                      batch_buckets=(len(prompts),))
+    sampler = Sampler(
+        graphdef,
+        config,
+        eos_ids=[eos],
+        pad_id=0,
+        prompt_buckets=(len(prompts[0]),),
+        batch_buckets=(len(prompts),),
+    )
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
     keys = iter(jax.random.split(jax.random.key(0), repeats + 1))
     counts: list[int] = []
@@ -79,9 +92,17 @@ def bench_ours(folder: str, prompts: list[list[int]], new_tokens: int, repeats: 
     warmup = time.perf_counter() - start
     median, times = time_it(run, repeats)
     tokens = min(counts[1:])
-    return {"tokens_per_s": tokens / median, "median_s": median, "times_s": times, "new_tokens": tokens,
-            "warmup_incl_compile_s": warmup, "compile_count": sampler.compile_count, "dtype": dtype,
-            "jax": jax.__version__, "backend": jax.default_backend()}
+    return {
+        "tokens_per_s": tokens / median,
+        "median_s": median,
+        "times_s": times,
+        "new_tokens": tokens,
+        "warmup_incl_compile_s": warmup,
+        "compile_count": sampler.compile_count,
+        "dtype": dtype,
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+    }
 
 
 def bench_hf(model: Any, prompts: list[list[int]], new_tokens: int, repeats: int, dtype: str, threads: int):
@@ -95,16 +116,31 @@ def bench_hf(model: Any, prompts: list[list[int]], new_tokens: int, repeats: int
     def run():
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+                eos_token_id=None,
             )
         assert out.shape[1] == ids.shape[1] + new_tokens
 
     run()
     median, times = time_it(run, repeats)
     tokens = len(prompts) * new_tokens
-    return {"tokens_per_s": tokens / median, "median_s": median, "times_s": times, "new_tokens": tokens,
-            "dtype": dtype, "threads": threads, "torch": torch.__version__}
+    return {
+        "tokens_per_s": tokens / median,
+        "median_s": median,
+        "times_s": times,
+        "new_tokens": tokens,
+        "dtype": dtype,
+        "threads": threads,
+        "torch": torch.__version__,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -113,7 +149,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="our compute dtype")
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="our compute dtype"
+    )
     parser.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/benchmarks/generation.json")
@@ -131,11 +169,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "benchmark": "generation",
         "model": {"architecture": "qwen3", "parameters": int(n_params), **MODEL},
-        "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
         "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
-        "ours": ours, "hf": hf,
+        "ours": ours,
+        "hf": hf,
         "ratio": ours["tokens_per_s"] / hf["tokens_per_s"],
-        "cpu_count": threads, "machine": platform.processor() or platform.machine(),
+        "cpu_count": threads,
+        "machine": platform.processor() or platform.machine(),
         "load_avg_1m": os.getloadavg()[0],
     }
     print(json.dumps(result, indent=2))
