@@ -536,7 +536,7 @@ class Sampler:
             self.compile_count += 1  # runs once per trace, i.e. once per compiled program
             model = nnx.merge(graphdef, state)
             batch, prompt_len = tokens.shape
-            max_len = cache.k.shape[2]
+            max_len = cache.max_len
             max_new = max_len - prompt_len
             choose = functools.partial(
                 choose_tokens,

@@ -155,10 +155,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def cache_sharding(config: ModelConfig, mesh: Mesh, batch: int) -> NamedSharding:
-    """KV cache [L,B,S,Hkv,D]: rows over ('data','fsdp'), kv heads over 'tensor' when they divide."""
+    """KV cache: rows over ('data','fsdp'), kv heads over 'tensor' when they divide.
+
+    One sharding for every leaf of the `KVCache`: per-layer keys [B,Hkv,D,S] and values [B,Hkv,S,D]
+    both lead with rows and kv heads.
+    """
     rows = BATCH_AXES if batch % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else None
     heads = "tensor" if config.num_kv_heads % mesh.shape["tensor"] == 0 else None
-    return NamedSharding(mesh, PartitionSpec(None, rows, None, heads, None))
+    return NamedSharding(mesh, PartitionSpec(rows, heads, None, None))
 
 
 def init_sharded(config: ModelConfig, mesh: Mesh, seed: int = 0) -> tuple[nnx.GraphDef, Any]:

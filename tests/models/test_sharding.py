@@ -178,7 +178,7 @@ def test_sharded_model_on_8_devices_matches_one_device_and_really_splits_paramet
             assert per_device * fsdp * tensor == total, (name, key, r["sizes"][key])
             assert distinct == fsdp * tensor
         assert r["sizes"]["final_norm/scale"][1] == r["sizes"]["final_norm/scale"][0]  # replicated
-        assert r["cache_spec"] == [None, ["data", "fsdp"], None, "tensor", None]
+        assert r["cache_spec"] == [["data", "fsdp"], "tensor", None, None]  # per layer [B,Hkv,...]
 
     r = result["data2_fsdp2_tensor2"]
     assert r["shard_state_matches_loading"]

@@ -71,11 +71,17 @@ def test_cached_prefill_then_step_by_step_decoding_equals_full_forward(hf_checkp
     b, t = tokens.shape
     max_len, prefill = 16, 6
     cache = init_cache(model.config, b, max_len, jnp.float32)
-    assert cache.k.shape == (2, b, max_len, 2, 16)
+    assert [a.shape for a in cache.k] == [(b, 2, 16, max_len)] * 2  # per layer [B,Hkv,D,S]
+    assert [a.shape for a in cache.v] == [(b, 2, max_len, 16)] * 2  # per layer [B,Hkv,S,D]
     valid = np.zeros((b, max_len), bool)
     valid[:, :prefill] = mask[:, :prefill]
     attn = make_cached_attention_mask(valid, 0, prefill)
     logits, cache = run(state, tokens[:, :prefill], positions[:, :prefill], attn, cache, jnp.int32(0))
+    expected = np.broadcast_to(np.arange(max_len) < prefill, (b, max_len))
+    for layer in range(2):  # prefill wrote exactly slots 0..prefill-1 of every layer
+        for kv in cache.layer(layer):
+            assert kv.shape == (b, max_len, 2, 16)
+            np.testing.assert_array_equal(np.abs(kv).sum(axis=(2, 3)) > 0, expected)
     chunks = [np.asarray(logits)]
     for i in range(prefill, t):
         valid[:, i] = mask[:, i]
@@ -194,3 +200,6 @@ def test_wrong_mask_shape_is_a_clear_error():
         model(tokens, tokens, jnp.ones((2, 3, 5), bool))
     with pytest.raises(ValueError, match="cache_index is required"):
         model(tokens, tokens, jnp.ones((2, 3, 8), bool), init_cache(config, 2, 8))
+    other = init_cache(dataclasses.replace(config, num_layers=2), 2, 8)
+    with pytest.raises(ValueError, match="the cache has 2 layers, the model 1"):
+        model(tokens, tokens, jnp.ones((2, 3, 8), bool), other, 0)
