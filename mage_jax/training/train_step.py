@@ -23,6 +23,7 @@ bounds the ``[R, T, V]`` mask to the short action strings it is meant for.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import flax.struct
@@ -253,17 +254,21 @@ class TrainStep:
         return grads, metrics
 
 
-def length_grouped_minibatches(lengths: np.ndarray, size: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Mini-batches of ``size`` rows of similar length, in random order (``-1`` pads the last one).
+def length_grouped_minibatches(
+    lengths: np.ndarray, size: int, rng: np.random.Generator, buckets: Sequence[int]
+) -> list[np.ndarray]:
+    """Mini-batches of ``size`` rows from the same length bucket, in random order (``-1`` pads the last).
 
-    Rows are shuffled, stably sorted by length and cut into consecutive blocks, so each mini-batch
-    needs only the length bucket of its own longest row; the order of the blocks is random. Every row
-    is used exactly once per epoch, as with plain shuffling.
+    Rows are shuffled, stably sorted by their length *bucket* (not by exact length: rows of equal
+    length are often copies of one situation, and mini-batches of near-identical rows make the
+    updates oscillate) and cut into consecutive blocks, so most mini-batches need only their own
+    bucket. The order of the blocks is random; every row is used exactly once per epoch.
     """
     lengths = np.asarray(lengths)
     n = len(lengths)
+    bucket_of = np.searchsorted(np.asarray(sorted(buckets)), lengths, side="left")
     order = rng.permutation(n)
-    order = order[np.argsort(lengths[order], kind="stable")]
+    order = order[np.argsort(bucket_of[order], kind="stable")]
     count = max(1, -(-n // size))
     padded = np.full(count * size, -1, dtype=np.int64)
     padded[:n] = order

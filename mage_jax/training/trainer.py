@@ -20,6 +20,7 @@ an uninterrupted run writes (on CPU). SIGTERM finishes the current iteration, sa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -255,6 +256,33 @@ def build_parts(cfg: C.ExperimentConfig, run_dir: str | None) -> RunParts:
     )
 
 
+def evaluation_key(base_key: jax.Array, iteration: int) -> jax.Array:
+    """The sampling key of the evaluation after ``iteration``: re-evaluating a checkpoint reproduces it."""
+    return jax.random.fold_in(jax.random.fold_in(base_key, iteration), 1)
+
+
+def checkpoint_dir(cfg: C.ExperimentConfig, run_dir: str | None = None) -> str:
+    """Where the run of ``cfg`` keeps its checkpoints."""
+    return cfg.checkpoint.dir or os.path.join(run_dir or cfg.logging.run_dir or ".", "checkpoints")
+
+
+def restore_params(parts: RunParts, directory: str, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """The trained parameters (and metadata) of a checkpoint, placed like ``parts.init_params``."""
+    from mage_jax.training.checkpoint import Checkpointer
+    from mage_jax.training.train_step import StepConfig, TrainStep, learning_rate_schedule, make_optimizer
+
+    o = parts.cfg.optim
+    schedule = learning_rate_schedule(o.lr, o.warmup_steps)
+    optimizer = make_optimizer(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
+    template = TrainStep(parts.graphdef, optimizer, schedule, StepConfig(), parts.mesh).init_state(
+        parts.init_params)
+    with Checkpointer(directory) as ckpt:
+        if ckpt.latest_step() is None:
+            raise C.ConfigError(f"no complete checkpoint in {directory!r}")
+        state, meta = ckpt.restore(template, step)
+    return state.params, meta
+
+
 def make_policy(parts: RunParts, params: Any, key: jax.Array, *, evaluation: bool):
     from mage_jax.rollout.policy import LLMPolicy
     from mage_jax.sampling import SamplingParams
@@ -429,7 +457,7 @@ class Trainer:
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if o.kl_coef > 0 else None
         self.adv_cfg = advantage_config(cfg)
         self.base_key = jax.random.key(cfg.train.seed)
-        ckpt_dir = cfg.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+        ckpt_dir = checkpoint_dir(cfg, self.run_dir)
         self.checkpointer = Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, every=cfg.checkpoint.every)
         self.start_iteration = 0
         if self.resume and self.checkpointer.latest_step() is not None:
@@ -495,14 +523,15 @@ class Trainer:
             logp = self.step.compute_logprobs(self.state.params, arrays)
             old[real, :length] = np.asarray(logp)[: len(real)]
             if ref is not None:
-                ref[real, :length] = np.asarray(self.step.compute_logprobs(self.ref_params, arrays))[: len(real)]
+                ref_logp = self.step.compute_logprobs(self.ref_params, arrays)
+                ref[real, :length] = np.asarray(ref_logp)[: len(real)]
 
         # PPO epochs over shuffled mini-batches.
         step_metrics: list[dict[str, float]] = []
         for epoch in range(cfg.optim.epochs):
             rng = np.random.default_rng([cfg.train.seed, iteration, epoch])
             if cfg.optim.group_by_length:
-                blocks = length_grouped_minibatches(row_lengths, mb, rng)
+                blocks = length_grouped_minibatches(row_lengths, mb, rng, buckets)
             else:
                 blocks = minibatch_indices(n, mb, permutation=rng.permutation(n))
             for idx in blocks:
@@ -566,7 +595,7 @@ class Trainer:
 
     def _evaluate(self, iteration: int, *, final: bool) -> dict[str, Any]:
         heldout = final or not self.cfg.train.eval_final_only_heldout
-        key = jax.random.fold_in(jax.random.fold_in(self.base_key, iteration), 1)
+        key = evaluation_key(self.base_key, iteration)
         results = self.evaluator.evaluate(self.state.params, key, heldout=heldout)
         for split, flat in flat_eval(results).items():
             self.logger.log(iteration, flat, split=split)
@@ -635,8 +664,8 @@ class Trainer:
             return TrainResult(self.run_dir, status, iteration, {"status": status, "iteration": iteration})
         final = self._evaluate(iteration, final=True)
         self._checkpoint(iteration)
+        self._plots(final)
         summary = self._summary(iteration, final, time.perf_counter() - start_time, setup_seconds)
-        self._plots()
         return TrainResult(self.run_dir, status, iteration, summary)
 
     def _summary(self, iteration: int, final: Mapping[str, Any], wall: float,
@@ -661,16 +690,43 @@ class Trainer:
         os.replace(path + ".tmp", path)
         return summary
 
-    def _plots(self) -> None:
+    def _plots(self, final: Mapping[str, Any]) -> None:
+        """PNGs in ``<run_dir>/plots``: success@k and payoff@k per opponent (with the reference lines)
+        for every evaluation split, and the training curves."""
         if not self.cfg.logging.plots:
             return
-        try:
-            from mage_jax.evaluation import plots
-        except ImportError:
-            return
-        make = getattr(plots, "plot_run", None)
-        if make is not None:
-            make(self.run_dir)
+        write_plots(self.run_dir, final)
+
+
+TRAINING_PLOT_KEYS = ("success@last", "payoff@last", "reward_mean", "policy_loss", "entropy", "approx_kl",
+                      "grad_norm", "clip_fraction", "iteration_seconds")
+
+
+def write_plots(run_dir: str, final: Mapping[str, Any]) -> list[str]:
+    from mage_jax.evaluation import plots
+    from mage_jax.logging import METRICS_FILE
+
+    out = os.path.join(run_dir, "plots")
+    os.makedirs(out, exist_ok=True)
+    written = []
+    for split, block in final.items():
+        ref = block.get("reference") or {}
+        lines: dict[str, dict[str, Any]] = {"success": {}, "payoff": {}}
+        if "winnable" in ref:
+            lines["success"]["winnable (ceiling)"] = ref["winnable"]
+        for metric in ("success", "payoff"):
+            for name, label in (("random", "random"), ("best_fixed", "best fixed")):
+                if f"{name}_{metric}" in ref:
+                    lines[metric][label] = ref[f"{name}_{metric}"]
+        if "adaptive_payoff_bound" in ref:
+            lines["payoff"]["adaptive bound"] = ref["adaptive_payoff_bound"]
+        written += [str(p) for p in plots.plot_success_and_payoff(block["metrics"], out, reference=lines,
+                                                                  prefix=f"{split}_")]
+    with contextlib.suppress(ValueError):  # no training record (zero iterations)
+        written.append(str(plots.plot_training_curves(os.path.join(run_dir, METRICS_FILE),
+                                                      os.path.join(out, "training.png"),
+                                                      keys=TRAINING_PLOT_KEYS)))
+    return written
 
 
 def train(cfg: C.ExperimentConfig, *, resume: bool = False, experiment: str | None = None) -> TrainResult:

@@ -1,0 +1,156 @@
+"""Evaluation only: a trained checkpoint, or a local Hugging Face model zero-shot.
+
+    python -m experiments.evaluate --checkpoint runs/kuhn_poker/RUN [--step K] [--out DIR]
+    python -m experiments.evaluate --model-path /models/Qwen3-4B --env kuhn_poker --method reflexion \\
+        --preset paper
+    python -m experiments.evaluate --model-path /models/Qwen3-4B --env tic_tac_toe --method react
+
+``--checkpoint`` takes a run directory (its ``config.json``, tokenizer and latest checkpoint, or
+``--step K``) and evaluates the trained parameters with the run's evaluation protocol: held-out
+instances of the training pool, the held-out opponent, and for Kuhn Poker the oracle references on
+the same meta-episodes. Results go to ``--out`` (default ``<run>/eval-<timestamp>``): ``summary.json``
+and ``metrics.jsonl``; the table is printed.
+
+``--model-path`` evaluates a pretrained model without training: ``--method reflexion`` plays
+meta-episodes with reflections between episodes (the Reflexion baseline), ``--method react`` plays N
+independent attempts without memory (the ReAct baseline); ``--preset small|paper`` picks the scale.
+
+Evaluation keys of the config may be overridden as usual (``--train.eval_meta_episodes 512``,
+``--sampling.eval.temperature 0.7``); any problem is one ``error:`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from experiments.common import EXIT_CONFIG_ERROR, split_dotted
+from mage_jax import config as C
+
+ZERO_SHOT_METHODS = ("react", "reflexion")
+
+
+def _parser() -> argparse.ArgumentParser:
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> None:
+            raise C.ConfigError(message)
+
+    p = Parser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0],
+               allow_abbrev=False)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a run directory with config.json and checkpoints/")
+    src.add_argument("--model-path", help="a local Hugging Face model folder (zero-shot)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--env", default="kuhn_poker", help="environment (with --model-path)")
+    p.add_argument("--method", choices=ZERO_SHOT_METHODS, default="reflexion", help="zero-shot baseline")
+    p.add_argument("--preset", default="small", help="scale of the zero-shot config (small or paper)")
+    p.add_argument("--out", default=None, help="output directory")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    return p
+
+
+def _timestamp() -> str:
+    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def evaluate_checkpoint(run_dir: str, *, step: int | None = None, out_dir: str | None = None,
+                        overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Evaluate the parameters of a run's checkpoint; writes and returns ``summary.json``'s content."""
+    import jax
+
+    from experiments.harness import make_evaluator
+    from experiments.presets import environment
+    from mage_jax.logging import MetricsLogger, to_jsonable
+    from mage_jax.training.trainer import SUMMARY_FILE, build_parts, checkpoint_dir, flat_eval, restore_params
+
+    if not os.path.isfile(os.path.join(run_dir, C.CONFIG_FILE)):
+        raise C.ConfigError(f"--checkpoint {run_dir!r} holds no {C.CONFIG_FILE}; pass a run directory")
+    cfg = C.apply_overrides(C.load(run_dir), overrides or {})
+    out_dir = out_dir or os.path.join(run_dir, f"eval-{_timestamp()}")
+    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir=out_dir))
+    C.validate(cfg)
+    parts = build_parts(cfg, run_dir)  # the run's own tokenizer
+    params, meta = restore_params(parts, checkpoint_dir(cfg, run_dir), step)
+    try:
+        options = environment(cfg.env.name).options(cfg)
+    except C.ConfigError:
+        from experiments.harness import ExperimentOptions
+
+        options = ExperimentOptions(random_reference=False)
+    evaluator = make_evaluator(parts, options, progress=cfg.logging.progress)
+    from mage_jax.training.checkpoint import key_from_json
+    from mage_jax.training.trainer import evaluation_key
+
+    iteration = int(meta.get("iteration", 0))
+    base_key = key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(cfg.train.seed)
+    results = evaluator.evaluate(params, evaluation_key(base_key, iteration), heldout=True)
+    os.makedirs(out_dir, exist_ok=True)
+    C.save(cfg, out_dir)
+    with MetricsLogger(out_dir, config=C.to_dict(cfg)) as logger:
+        for split, flat in flat_eval(results).items():
+            logger.log(iteration, flat, split=split)
+    summary = {
+        "experiment": f"{cfg.name}_eval",
+        "status": "finished",
+        "iterations": iteration,
+        "checkpoint": os.path.abspath(run_dir),
+        "run_dir": os.path.abspath(out_dir),
+        "evaluation": {split: {"metrics": b["metrics"], "reference": b["reference"]}
+                       for split, b in results.items()},
+    }
+    with open(os.path.join(out_dir, SUMMARY_FILE), "w") as f:
+        json.dump(to_jsonable(summary), f, indent=1)
+    return summary
+
+
+def evaluate_zero_shot(model_path: str, *, env: str, method: str, preset: str, out_dir: str | None,
+                       overrides: dict[str, Any]) -> dict[str, Any]:
+    """ReAct / Reflexion: the pretrained model of ``model_path`` evaluated without training."""
+    from experiments.baselines import method as get_method
+    from experiments.baselines import method_config, method_options
+    from experiments.harness import evaluate_only
+    from experiments.presets import environment
+
+    out_dir = out_dir or os.path.join("runs", f"{env}_{method}", _timestamp())
+    cfg = method_config(env, method, preset,
+                        {**overrides, "model.path": model_path, "logging.run_dir": out_dir})
+    options = method_options(environment(env), get_method(method), cfg)
+    summary = evaluate_only(cfg, options, experiment=f"{env}_{method}")
+    summary.pop("parts", None)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        dotted, rest = split_dotted(argv)
+        try:
+            args = _parser().parse_args(rest)
+        except SystemExit:  # --help
+            return 0
+        overrides = dict([C.parse_assignment(s) for s in args.sets] + dotted)
+        if args.checkpoint:
+            summary = evaluate_checkpoint(args.checkpoint, step=args.step, out_dir=args.out,
+                                          overrides=overrides)
+        else:
+            if not os.path.isdir(args.model_path):
+                raise C.ConfigError(f"--model-path {args.model_path!r} is not a folder")
+            summary = evaluate_zero_shot(args.model_path, env=args.env, method=args.method,
+                                         preset=args.preset, out_dir=args.out, overrides=overrides)
+    except C.ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    from experiments.harness import results_table
+
+    print(results_table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

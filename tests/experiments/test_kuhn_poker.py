@@ -1,0 +1,109 @@
+"""The main job end to end through ``experiments.kuhn_poker.main``: train, evaluate, checkpoint,
+resume (bit-identical metrics on CPU), SIGTERM, evaluation-only entry point, clear config errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from experiments import evaluate, kuhn_poker
+from mage_jax import config as C
+from mage_jax.logging import read_jsonl
+from mage_jax.training import trainer as trainer_module
+
+TIMING = {"time", "wall_seconds", "rollout_seconds", "update_seconds", "iteration_seconds", "rows_per_second"}
+RUN = {"train.iterations": 3, "checkpoint.every": 1, "checkpoint.keep": 2}
+
+
+def comparable(run_dir):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(str(run_dir))]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, request):
+    """One uninterrupted 3-iteration smoke run of the main job (plots on)."""
+    request.getfixturevalue("compilation_cache")
+    from tests.experiments.conftest import _smoke_args
+
+    run_dir = tmp_path_factory.mktemp("kuhn") / "run"
+    args = _smoke_args({**RUN, "logging.plots": True})
+    code = kuhn_poker.main([*args, "--run-dir", str(run_dir)])
+    return code, run_dir, args
+
+
+def test_main_job_writes_a_complete_run_directory(finished_run, capsys):
+    code, run_dir, _ = finished_run
+    assert code == 0
+    cfg = C.load(str(run_dir))
+    assert cfg.rollout.memory_mode == "history_only" and cfg.rollout.reflect is False
+    assert cfg.rollout.constrained_actions and cfg.tokenizer.kind == "word_level"
+    assert os.path.isfile(run_dir / "tokenizer" / "tokenizer.json")
+    records = read_jsonl(str(run_dir))
+    assert [r["iteration"] for r in records if r["split"] == "train"] == [1, 2, 3]
+    assert {r["split"] for r in records} == {"train", "eval", "heldout"}
+    train = [r for r in records if r["split"] == "train"][-1]
+    for key in ("policy_loss", "clip_fraction", "approx_kl", "kl_loss", "entropy", "grad_norm", "lr", "skipped",
+                "success@1", "payoff@1", "valid_action_ratio", "reward_mean"):
+        assert key in train
+    assert train["valid_action_ratio"] == 1.0  # constrained decoding: every action is legal
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "3"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ref = summary["evaluation"]["eval"]["reference"]
+    assert 0 < ref["winnable"] <= 1 and len(ref["best_fixed_payoff"]) == 2
+    assert summary["evaluation"]["heldout"]["metrics"]["by_opponent"].keys() == {"cfr"}
+    assert {"eval_success.png", "eval_payoff.png", "heldout_success.png", "training.png"} <= set(
+        os.listdir(run_dir / "plots"))
+    table = kuhn_poker.results_table(summary)
+    assert "held-out CFR opponent" in table and "ceiling" in table
+
+
+def test_resumed_run_reproduces_the_uninterrupted_metrics(finished_run, tmp_path, monkeypatch):
+    _, reference_dir, args = finished_run
+    run_dir = tmp_path / "run"
+    original = trainer_module.Trainer.train_iteration
+
+    def stop_after_two(self, iteration):
+        metrics = original(self, iteration)
+        if iteration == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled: finish, checkpoint, exit cleanly
+        return metrics
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", stop_after_two)
+    assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == 0
+    assert not (run_dir / "summary.json").exists()
+    assert [r["iteration"] for r in read_jsonl(str(run_dir))] == [1, 2]
+    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", original)
+    assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume"]) == 0
+    assert comparable(run_dir) == comparable(reference_dir)
+
+
+def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):
+    _, run_dir, _ = finished_run
+    out = tmp_path / "eval"
+    assert evaluate.main(["--checkpoint", str(run_dir), "--out", str(out), "--set", "logging.plots=false"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    final = json.loads((run_dir / "summary.json").read_text())
+    assert summary["iterations"] == 3
+    # the same parameters, instances and sampling key: the numbers of the run's final evaluation
+    assert summary["evaluation"]["eval"]["metrics"]["curves"] == final["evaluation"]["eval"]["metrics"]["curves"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--optim.lr", "-1"], "error: optim.lr must be > 0 (got -1.0)"),
+        (["--set", "rollout.batch_size=30"], "error: rollout.group_size 8 does not divide rollout.batch_size 30"),
+        (["--optim.lrr", "1"], "error: unknown config key 'optim.lrr'"),
+        (["--preset", "small"], "error: preset 'small' loads a pretrained model"),
+        (["--preset", "paper", "--model-path", "/nonexistent/qwen"], "error: model.path '/nonexistent/qwen'"),
+    ],
+)
+def test_bad_config_is_one_error_line_nonzero_exit_and_nothing_written(tmp_path, capsys, argv, message):
+    run_dir = tmp_path / "run"
+    assert kuhn_poker.main([*argv, "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message)
+    assert not run_dir.exists()
