@@ -45,8 +45,8 @@ def test_main_job_writes_a_complete_run_directory(finished_run, capsys):
     assert [r["iteration"] for r in records if r["split"] == "train"] == [1, 2, 3]
     assert {r["split"] for r in records} == {"train", "eval", "heldout"}
     train = [r for r in records if r["split"] == "train"][-1]
-    for key in ("policy_loss", "clip_fraction", "approx_kl", "kl_loss", "entropy", "grad_norm", "lr", "skipped",
-                "success@1", "payoff@1", "valid_action_ratio", "reward_mean"):
+    for key in ("policy_loss", "clip_fraction", "approx_kl", "kl_loss", "entropy", "grad_norm", "lr",
+                "skipped", "success@1", "payoff@1", "valid_action_ratio", "reward_mean"):
         assert key in train
     assert train["valid_action_ratio"] == 1.0  # constrained decoding: every action is legal
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "3"]
@@ -83,19 +83,21 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(finished_run, tmp_path
 def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):
     _, run_dir, _ = finished_run
     out = tmp_path / "eval"
-    assert evaluate.main(["--checkpoint", str(run_dir), "--out", str(out), "--set", "logging.plots=false"]) == 0
+    argv = ["--checkpoint", str(run_dir), "--out", str(out), "--set", "logging.plots=false"]
+    assert evaluate.main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     final = json.loads((run_dir / "summary.json").read_text())
     assert summary["iterations"] == 3
     # the same parameters, instances and sampling key: the numbers of the run's final evaluation
-    assert summary["evaluation"]["eval"]["metrics"]["curves"] == final["evaluation"]["eval"]["metrics"]["curves"]
+    curves = summary["evaluation"]["eval"]["metrics"]["curves"]
+    assert curves == final["evaluation"]["eval"]["metrics"]["curves"]
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--optim.lr", "-1"], "error: optim.lr must be > 0 (got -1.0)"),
-        (["--set", "rollout.batch_size=30"], "error: rollout.group_size 8 does not divide rollout.batch_size 30"),
+        (["--set", "rollout.batch_size=30"], "error: rollout.group_size 8 does not divide rollout.batch_size"),
         (["--optim.lrr", "1"], "error: unknown config key 'optim.lrr'"),
         (["--preset", "small"], "error: preset 'small' loads a pretrained model"),
         (["--preset", "paper", "--model-path", "/nonexistent/qwen"], "error: model.path '/nonexistent/qwen'"),
