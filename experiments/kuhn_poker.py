@@ -22,9 +22,16 @@ Design of the ``tiny`` preset (why it differs from the paper's Qwen3-4B recipe):
   to the two legal strings ``<action>PASS</action>`` / ``<action>BET</action>`` (constrained decoding
   in the sampler, replayed in the log-prob recompute), so every row carries exactly one decision.
 * Optimisation for a randomly initialised model: AdamW lr 1e-3 (the paper's 1e-6 is for fine-tuning
-  a pretrained 4B model), no KL term (the frozen reference would be a random network), entropy
-  bonus 0.001 as the paper, PPO clip 0.2 / dual clip 3.0, token-mean aggregation, mini-batches of
-  64 rows, one epoch. The decoder has 2 layers, hidden size 64, 4 heads (2 KV heads) of size 16.
+  a pretrained 4B model), no weight decay, no KL term (the frozen reference would be a random
+  network), entropy bonus 0.001, PPO clip 0.2 / dual clip 3.0, token-mean aggregation, one epoch.
+  Mini-batches of 16 rows instead of 64: a network trained from scratch needs many optimizer steps
+  (a few hundred before its decisions depend on the card at all), and the cost of an iteration is
+  set by its tokens, not by its number of steps; with 64-row mini-batches (~6 steps per iteration)
+  the policy collapses onto card-independent actions before it learns to read the prompt.
+  Rows are grouped into mini-batches by length bucket (128 / 192 / 320 tokens) so that short
+  episode-0 prompts are not padded to the longest memory prompt.
+* Size: the decoder has 2 layers, hidden size 64, 4 heads (2 KV heads) of size 16, SwiGLU 192
+  (~0.1M parameters); B x G = 16 x 8 = 128 meta-episodes per iteration, 30 iterations.
 * Evaluation: 512 held-out meta-episodes against the training pool (mixed seats) and 256 against
   CFR in the second seat, at the paper's evaluation sampling (temperature 0.7, top-p 0.8, top-k 20).
 
@@ -89,12 +96,12 @@ TINY = {
     "optim.weight_decay": 0.0,
     "optim.kl_coef": 0.0,
     "optim.entropy_coef": 0.001,
-    "optim.mini_batch_rows": 64,
-    "train.iterations": 60,
-    "train.eval_every": 20,
+    "optim.mini_batch_rows": 16,
+    "train.iterations": 30,
+    "train.eval_every": 15,
     "train.eval_meta_episodes": 512,
     "train.eval_heldout_meta_episodes": 256,
-    "checkpoint.every": 20,
+    "checkpoint.every": 10,
     "checkpoint.keep": 2,
 }
 

@@ -171,6 +171,10 @@ class OptimConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     warmup_steps: int = 0
+    lr_decay: str = "constant"
+    """Decay of the learning rate over the iterations: ``constant`` (the paper), ``linear`` or ``cosine``."""
+    lr_end_fraction: float = 0.0
+    """Learning rate at the last iteration, as a fraction of ``lr`` (linear / cosine decay)."""
     mini_batch_rows: int = 64
     epochs: int = 1
     clip_eps: float = 0.2
@@ -541,6 +545,8 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     _check(o.weight_decay >= 0, f"optim.weight_decay must be >= 0 (got {o.weight_decay})")
     _check(o.grad_clip > 0, f"optim.grad_clip must be > 0 (got {o.grad_clip})")
     _check(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+    _one_of("optim.lr_decay", o.lr_decay, ("constant", "linear", "cosine"))
+    _check(0 <= o.lr_end_fraction <= 1, f"optim.lr_end_fraction must be in [0, 1] (got {o.lr_end_fraction})")
     _check(o.mini_batch_rows >= 1, f"optim.mini_batch_rows must be >= 1 (got {o.mini_batch_rows})")
     _check(o.epochs >= 1, f"optim.epochs must be >= 1 (got {o.epochs})")
     _check(0 < o.clip_eps < 1, f"optim.clip_eps must be in (0, 1) (got {o.clip_eps})")

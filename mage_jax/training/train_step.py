@@ -74,6 +74,21 @@ def learning_rate_schedule(lr: float, warmup_steps: int = 0) -> optax.Schedule:
     )
 
 
+def lr_decay(kind: str, progress: float, end_fraction: float = 0.0) -> float:
+    """Multiplier of the learning rate at ``progress`` in [0, 1] of the run: constant, linear or cosine
+    decay from 1 to ``end_fraction``."""
+    progress = min(max(float(progress), 0.0), 1.0)
+    if kind == "constant":
+        return 1.0
+    if kind == "linear":
+        shape = 1.0 - progress
+    elif kind == "cosine":
+        shape = 0.5 * (1.0 + float(np.cos(np.pi * progress)))
+    else:
+        raise ValueError(f"unknown learning-rate decay {kind!r}; expected constant, linear or cosine")
+    return end_fraction + (1.0 - end_fraction) * shape
+
+
 def make_optimizer(
     schedule: optax.Schedule, *, b1: float, b2: float, weight_decay: float, grad_clip: float
 ) -> optax.GradientTransformation:
@@ -183,8 +198,12 @@ class TrainStep:
             self._logprobs = jax.jit(fn, out_shardings=self._batch_sharding)
         return self._logprobs(params, batch)
 
-    def update(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, Any]]:
+    def update(self, state: TrainState, batch: dict[str, jax.Array],
+               lr_scale: float = 1.0) -> tuple[TrainState, dict[str, Any]]:
         """One optimizer step on one mini-batch (``state`` is donated).
+
+        ``lr_scale`` multiplies the step (a run-level decay of the learning rate, e.g. cosine over the
+        iterations; a traced scalar, so changing it never recompiles).
 
         Two jitted programs: the loss and gradients (compiled once per mini-batch shape) and the
         optimizer step with the non-finite skip (shape independent, compiled once), so a new length
@@ -199,11 +218,14 @@ class TrainStep:
                 out_shardings=(self.state_shardings(state), self._replicated),
             )
         grads, metrics = self._grads(state.params, batch)
-        return self._update(state, grads, metrics)
+        return self._update(state, grads, metrics, jnp.float32(lr_scale))
 
-    def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array]):
+    def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array], lr_scale: jax.Array):
         finite = jnp.isfinite(metrics["loss"]) & _all_finite(grads)
         updates, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        # AdamW's updates (weight decay included) are proportional to the learning rate: scaling them
+        # is the same as scaling the learning rate.
+        updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
         new_params = optax.apply_updates(state.params, updates)
 
         def keep_if_skipped(new, old):
@@ -217,7 +239,7 @@ class TrainStep:
         metrics = dict(metrics)
         metrics.update(
             grad_norm=optax.global_norm(grads),
-            lr=jnp.asarray(self.schedule(state.step), jnp.float32),
+            lr=jnp.asarray(self.schedule(state.step), jnp.float32) * lr_scale,
             skipped=(~finite).astype(jnp.float32),
         )
         return new_state, metrics

@@ -484,7 +484,7 @@ class Trainer:
         from mage_jax.algorithms import compute_advantages
         from mage_jax.evaluation.metrics import compute_metrics
         from mage_jax.rollout.rows import minibatch_indices, pack_rows, pick_bucket
-        from mage_jax.training.train_step import length_grouped_minibatches, minibatch_arrays
+        from mage_jax.training.train_step import length_grouped_minibatches, lr_decay, minibatch_arrays
 
         cfg, parts = self.cfg, self.parts
         t0 = time.perf_counter()
@@ -528,6 +528,8 @@ class Trainer:
 
         # PPO epochs over shuffled mini-batches.
         step_metrics: list[dict[str, float]] = []
+        progress = (iteration - 1) / max(cfg.train.iterations - 1, 1)
+        lr_scale = lr_decay(cfg.optim.lr_decay, progress, cfg.optim.lr_end_fraction)
         for epoch in range(cfg.optim.epochs):
             rng = np.random.default_rng([cfg.train.seed, iteration, epoch])
             if cfg.optim.group_by_length:
@@ -543,7 +545,7 @@ class Trainer:
                     ref_logprobs=None if ref is None else np.where(pad, 0.0, ref[safe]),
                     constrained=constrained, length=bucket_of(idx),
                 )
-                self.state, metrics = self.step.update(self.state, self.step.place_batch(batch))
+                self.state, metrics = self.step.update(self.state, self.step.place_batch(batch), lr_scale)
                 step_metrics.append(metrics)
         step_metrics = [{k: float(v) for k, v in m.items()} for m in jax.device_get(step_metrics)]
         t_update = time.perf_counter() - t1
@@ -619,21 +621,25 @@ class Trainer:
     def run(self) -> TrainResult:
         start_time = time.perf_counter()
         restore_signal = self._install_sigterm()
+        # One bar for the whole run: it shows "setup" while the tokenizer and model are built.
+        bar = _bar(total=self.cfg.train.iterations, desc="setup", enabled=self.cfg.logging.progress)
         try:
             self._setup()
-            return self._loop(start_time)
+            return self._loop(start_time, bar)
         finally:
+            bar.close()
             restore_signal()
             if hasattr(self, "logger"):
                 self.logger.close()
             if hasattr(self, "checkpointer"):
                 self.checkpointer.close()
 
-    def _loop(self, start_time: float) -> TrainResult:
+    def _loop(self, start_time: float, bar: Any) -> TrainResult:
         cfg = self.cfg
         total = cfg.train.iterations
         setup_seconds = time.perf_counter() - start_time
-        bar = _bar(total=total, desc="train", enabled=cfg.logging.progress, initial=self.start_iteration)
+        bar.update(self.start_iteration)
+        bar.set_description("train")
         last_eval: dict[str, Any] | None = None
         iteration = self.start_iteration
         status = "finished"
@@ -658,7 +664,7 @@ class Trainer:
                 if self.checkpointer.should_save(iteration):
                     self._checkpoint(iteration)
         finally:
-            bar.close()
+            bar.set_description("final evaluation" if status == "finished" else "saving")
         if status == "interrupted":
             self._checkpoint(iteration)
             return TrainResult(self.run_dir, status, iteration, {"status": status, "iteration": iteration})

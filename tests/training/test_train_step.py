@@ -80,8 +80,13 @@ def test_update_moves_probability_towards_positive_advantage(model, step):
     b.update(old_logprobs=old, ref_logprobs=old, advantages=np.array([1.0, 1.0, -1.0, 0.0], np.float32))
     for _ in range(3):
         state, metrics = step.update(state, step.place_batch(b))
+    assert float(metrics["lr"]) == pytest.approx(1e-2)
+    frozen = jax.tree.map(np.asarray, state.params)
+    state, _ = step.update(state, step.place_batch(b), lr_scale=0.0)  # a fully decayed learning rate
+    for a, c in zip(jax.tree.leaves(frozen), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(a, np.asarray(c))
     new = np.asarray(step.compute_logprobs(state.params, step.place_batch(b)))
-    assert float(metrics["skipped"]) == 0.0 and int(state.step) == 3
+    assert float(metrics["skipped"]) == 0.0 and int(state.step) == 4
     assert (new - old)[0][b["response_mask"][0]].sum() > 0
     assert (new - old)[2][b["response_mask"][2]].sum() < 0
     for key in ("policy_loss", "clip_fraction", "approx_kl", "kl_loss", "entropy", "grad_norm", "lr"):
@@ -145,3 +150,14 @@ def test_length_grouped_minibatches_cover_every_row_once_with_similar_lengths():
     assert sorted(flat[flat >= 0].tolist()) == list(range(len(lengths)))
     assert all(len(b) == 4 for b in blocks)
     assert sorted(set((lengths[b[b >= 0]] > 128).tolist()) == {False, True} for b in blocks).count(True) <= 1
+
+
+def test_lr_decay_runs_from_one_to_the_end_fraction():
+    from mage_jax.training.train_step import lr_decay
+
+    assert lr_decay("constant", 0.7) == 1.0
+    assert lr_decay("linear", 0.0) == 1.0 and lr_decay("linear", 1.0, 0.1) == pytest.approx(0.1)
+    assert lr_decay("cosine", 0.5) == pytest.approx(0.5)
+    assert lr_decay("cosine", 1.0, 0.05) == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="unknown learning-rate decay"):
+        lr_decay("step", 0.5)
