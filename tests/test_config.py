@@ -18,7 +18,8 @@ def cfg_with(**overrides):
 def test_defaults_are_the_paper_kuhn_settings():
     cfg = C.ExperimentConfig()
     assert (cfg.rollout.num_tasks, cfg.rollout.group_size, cfg.rollout.num_episodes) == (16, 8, 3)
-    assert (cfg.sampling.train.temperature, cfg.sampling.train.top_p, cfg.sampling.train.top_k) == (1.0, 1.0, 0)
+    train = cfg.sampling.train
+    assert (train.temperature, train.top_p, train.top_k) == (1.0, 1.0, 0)
     assert (cfg.sampling.eval.temperature, cfg.sampling.eval.top_p, cfg.sampling.eval.top_k) == (0.7, 0.8, 20)
     assert (cfg.optim.grad_clip, cfg.optim.mini_batch_rows, cfg.optim.epochs) == (1.0, 64, 1)
     assert (cfg.optim.clip_eps, cfg.optim.dual_clip, cfg.optim.entropy_coef) == (0.2, 3.0, 0.001)
@@ -89,7 +90,8 @@ def test_saved_config_loads_back_equal(tmp_path):
     cfg = cfg_with(optim__lr=3e-4, env__opponents=["x"], env__opponent_ratios=[1.0],
                    model__overrides={"hidden_size": 32})
     path = C.save(cfg, str(tmp_path))
-    assert json.load(open(path))["optim"]["lr"] == 3e-4
+    with open(path) as f:
+        assert json.load(f)["optim"]["lr"] == 3e-4
     assert C.load(str(tmp_path)) == cfg
 
 
