@@ -297,8 +297,11 @@ class Transformer(nnx.Module):
         if cache is not None and cache_index is None:
             raise ValueError("cache_index is required when a cache is given")
         if cache is not None:
-            if cache.num_layers != config.num_layers:
-                raise ValueError(f"the cache has {cache.num_layers} layers, the model {config.num_layers}")
+            if cache.num_layers != config.num_layers or cache.batch_size != b:
+                raise ValueError(
+                    f"the cache has {cache.num_layers} layers and {cache.batch_size} rows, "
+                    f"expected {config.num_layers} layers and {b} rows"
+                )
             cache_index = jnp.asarray(cache_index, jnp.int32)
         mask = attention_mask.astype(bool)
         x = self.embed(tokens).astype(config.jnp_dtype)

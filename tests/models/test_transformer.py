@@ -79,7 +79,7 @@ def test_cached_prefill_then_step_by_step_decoding_equals_full_forward(hf_checkp
     logits, cache = run(state, tokens[:, :prefill], positions[:, :prefill], attn, cache, jnp.int32(0))
     expected = np.broadcast_to(np.arange(max_len) < prefill, (b, max_len))
     for layer in range(2):  # prefill wrote exactly slots 0..prefill-1 of every layer
-        for kv in cache.layer(layer):
+        for kv in map(np.asarray, cache.layer(layer)):
             assert kv.shape == (b, max_len, 2, 16)
             np.testing.assert_array_equal(np.abs(kv).sum(axis=(2, 3)) > 0, expected)
     chunks = [np.asarray(logits)]
@@ -200,6 +200,8 @@ def test_wrong_mask_shape_is_a_clear_error():
         model(tokens, tokens, jnp.ones((2, 3, 5), bool))
     with pytest.raises(ValueError, match="cache_index is required"):
         model(tokens, tokens, jnp.ones((2, 3, 8), bool), init_cache(config, 2, 8))
-    other = init_cache(dataclasses.replace(config, num_layers=2), 2, 8)
-    with pytest.raises(ValueError, match="the cache has 2 layers, the model 1"):
+    other = jax.eval_shape(lambda: init_cache(dataclasses.replace(config, num_layers=2), 2, 8))
+    with pytest.raises(ValueError, match="the cache has 2 layers and 2 rows, expected 1 layers and 2 rows"):
         model(tokens, tokens, jnp.ones((2, 3, 8), bool), other, 0)
+    with pytest.raises(ValueError, match="the cache has 1 layers and 4 rows"):
+        model(tokens, tokens, jnp.ones((2, 3, 8), bool), jax.eval_shape(lambda: init_cache(config, 4, 8)), 0)
