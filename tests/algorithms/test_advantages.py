@@ -6,7 +6,6 @@ import statistics
 import jax
 import numpy as np
 import pytest
-import reference_credit as ref
 
 from mage_jax.algorithms.advantages import (
     AdvantageConfig,
@@ -17,6 +16,7 @@ from mage_jax.algorithms.advantages import (
     register_advantage,
 )
 from mage_jax.algorithms.returns import RowBatch
+from tests.algorithms import reference_credit as ref
 
 HAND = 16
 EPS = 1e-6

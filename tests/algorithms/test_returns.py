@@ -3,7 +3,6 @@
 import jax
 import numpy as np
 import pytest
-import reference_credit as ref
 
 from mage_jax.algorithms.returns import (
     RowBatch,
@@ -15,6 +14,7 @@ from mage_jax.algorithms.returns import (
     row_scores,
     step_returns,
 )
+from tests.algorithms import reference_credit as ref
 
 GS, GT = 0.95, 0.6
 HAND = 16  # hand-written cases are padded to one bucket so each kernel compiles once for them
