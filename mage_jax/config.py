@@ -67,7 +67,8 @@ class ModelSection:
     """ModelConfig field overrides for from-scratch models (e.g. ``{"num_layers": 2}``)."""
     dtype: str = "float32"
     """Activation dtype (``float32`` or ``bfloat16``); parameters stay float32 for the optimiser."""
-    init_seed: int = 0
+    init_seed: int | None = None
+    """Seed of the random initialisation of a from-scratch model; None: ``train.seed``."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -218,7 +218,8 @@ def build_model(cfg: C.ExperimentConfig, tokenizer, mesh):
         else:
             vocab = -(-tokenizer.vocab_size // 8) * 8
             model_config = ModelConfig.preset(m.preset, vocab_size=vocab, dtype=m.dtype, **m.overrides)
-            graphdef, params = shd.init_sharded(model_config, mesh, seed=m.init_seed)
+            seed = cfg.train.seed if m.init_seed is None else m.init_seed
+            graphdef, params = shd.init_sharded(model_config, mesh, seed=seed)
     except (ValueError, TypeError) as err:
         raise C.ConfigError(f"model: {err}") from None
     if tokenizer.vocab_size > model_config.vocab_size:
