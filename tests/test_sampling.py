@@ -25,6 +25,7 @@ from mage_jax.sampling import (
     stack_automata,
     truncate_at_stop_strings,
 )
+from tests.tiny_models import build_random_causal_lm
 
 VOCAB, EOS, PAD = 64, 3, 0
 MAX_NEW = 8
@@ -319,10 +320,8 @@ def test_stop_strings_truncate_on_the_host():
 
 # ------------------------------------------------------------------------------ Hugging Face parity
 def build_hf_checkpoint(arch: str, folder):
-    import torch
-    import transformers
-
-    common = dict(
+    hf_config = dict(
+        model_type=arch,
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -333,15 +332,7 @@ def build_hf_checkpoint(arch: str, folder):
         max_position_embeddings=512,
         tie_word_embeddings=arch == "qwen3",
     )
-    config = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[arch](**common)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, 0.2)  # logits far apart: greedy choices are not near-ties
-    model.save_pretrained(folder, safe_serialization=True)
-    return model
+    return build_random_causal_lm(hf_config, folder, weight_std=0.2)
 
 
 def hf_greedy(model, prompts, max_new: int):

@@ -3,26 +3,11 @@ built-in word-level tokenizer (tags as single tokens, action strings round-trip)
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from mage_jax.envs.parsing import extract_action
 from mage_jax.tokenizer import Tokenizer, TokenizerError, join_word_pieces
-
-# A Qwen3-style template written for these tests: one message list, generation prompt, and an empty
-# think block when thinking is switched off (the format Qwen3 uses).
-QWEN3_STYLE_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{ '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "{{ '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif -%}"
-    "{%- endif -%}"
-)
+from tests.tiny_models import build_bpe_tokenizer
 
 CORPUS = [
     "You are playing Kuhn Poker. Your card is K. Legal actions: PASS, BET.",
@@ -32,38 +17,10 @@ CORPUS = [
 ]
 
 
-def build_hf_folder(path, *, with_generation_config: bool = True):
-    """A tiny byte-level BPE tokenizer with Qwen-style special tokens, saved as a local HF folder."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    raw.train_from_iterator(CORPUS * 4, trainer=trainer)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=QWEN3_STYLE_TEMPLATE,
-    )
-    hf.add_tokens(["<think>", "</think>"])  # ordinary added tokens, as in Qwen3: kept when decoding
-    hf.save_pretrained(str(path))
-    if with_generation_config:
-        eos = [hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")]
-        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    return hf
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf_tok")
-    build_hf_folder(path)
+    build_bpe_tokenizer(path, CORPUS * 4, vocab_size=400)
     return path
 
 

@@ -8,15 +8,9 @@ import os
 
 import pytest
 
-SMOKE_MODEL = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_layers": 1,
-    "num_heads": 2,
-    "num_kv_heads": 1,
-    "head_dim": 16,
-    "max_position_embeddings": 2048,
-}
+from tests.tiny_models import SMALLEST_DECODER, build_bpe_tokenizer, build_random_causal_lm
+
+SMOKE_MODEL = {**SMALLEST_DECODER, "max_position_embeddings": 2048}
 
 SMOKE = {
     "model.overrides": SMOKE_MODEL,
@@ -93,18 +87,6 @@ def compilation_cache(tmp_path_factory):
 # ------------------------------------------------------------------------------------------------
 # a tiny random Hugging Face model folder
 
-QWEN3_STYLE_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{ '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "{{ '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif -%}"
-    "{%- endif -%}"
-)
-
 
 def _corpus() -> list[str]:
     """Prompt text of both games, so that the byte-level BPE compresses prompts a little."""
@@ -123,45 +105,14 @@ def _corpus() -> list[str]:
 
 def build_hf_model_folder(path) -> str:
     """A byte-level BPE tokenizer with a Qwen3-style chat template and a 1-layer random Qwen3 model."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from mage_jax.models.config import ModelConfig
 
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=800, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    raw.train_from_iterator(_corpus() * 8, trainer=trainer)
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=QWEN3_STYLE_TEMPLATE,
-    )
-    tok.add_tokens(["<think>", "</think>"])
-    tok.save_pretrained(str(path))
+    tok = build_bpe_tokenizer(path, _corpus() * 8, vocab_size=800)
     eos = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    config = transformers.Qwen3Config(
-        vocab_size=-(-len(tok) // 8) * 8,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=eos[0],
-        pad_token_id=eos[1],
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(str(path), safe_serialization=True)
+    vocab_size = -(-len(tok) // 8) * 8
+    config = ModelConfig.preset("tiny", vocab_size=vocab_size, **SMALLEST_DECODER)
+    hf_config = {**config.to_hf_config(), "eos_token_id": eos[0], "pad_token_id": eos[1]}
+    build_random_causal_lm(hf_config, path)
     return str(path)
 
 

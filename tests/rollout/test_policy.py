@@ -13,6 +13,7 @@ from mage_jax.rollout.rows import pack_rows
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 from mage_jax.sampling import Sampler, SamplingParams, TokenAutomaton
 from mage_jax.tokenizer import Tokenizer
+from tests.tiny_models import SMALLEST_DECODER
 
 ACTIONS = ("<action>PASS</action>", "<action>BET</action>")
 
@@ -40,16 +41,7 @@ def kuhn_llm():
         for r in MetaEpisodeRunner("kuhn_poker", {}, cfg).run(tasks, scripted, training=True).rows
     ]
     tokenizer = Tokenizer.word_level(corpus + list(ACTIONS) + ["<remark> </remark>"])
-    config = ModelConfig.preset(
-        "tiny",
-        vocab_size=tokenizer.vocab_size,
-        num_layers=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-    )
+    config = ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size, **SMALLEST_DECODER)
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     sampler = Sampler(
         graphdef,
