@@ -13,15 +13,11 @@ writes it to ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import random
-import statistics
 import time
-from pathlib import Path
 from typing import Any
 
+from experiments.benchmarks.common import batch_parser, machine, mean, parse_batch_args, write_report
 from mage_jax.envs import make_env, registered_envs
 from mage_jax.envs.prompts import (
     MEMORY_MODES,
@@ -125,9 +121,6 @@ def bench_config(env_name: str, opponent: str | None, seats: str, *, tasks: int,
         for i in active:
             memory[i].append(records[i])
 
-    def mean(values: list[float]) -> float | None:
-        return round(statistics.fmean(values), 3) if values else None
-
     return {
         "env": env_name,
         "opponent": opponent,
@@ -148,21 +141,12 @@ def bench_config(env_name: str, opponent: str | None, seats: str, *, tasks: int,
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", default="runs/benchmarks/env_step.json")
-    parser.add_argument("--tasks", type=int, default=16, help="task instances per turn batch")
-    parser.add_argument("--group", type=int, default=8, help="meta-episodes per task instance")
-    parser.add_argument("--episodes", type=int, default=3)
-    parser.add_argument("--budget-s", type=float, default=12.0, help="measured seconds per configuration")
+    parser = batch_parser(__doc__, out="runs/benchmarks/env_step.json", tasks=16, budget_s=12.0,
+                          budget_help="measured seconds per configuration")
     parser.add_argument("--only", default=None, help="comma-separated environment names")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--style", choices=STYLES, default="full")
     parser.add_argument("--memory-mode", choices=MEMORY_MODES, default="history_and_reflection")
-    args = parser.parse_args(argv)
-    if args.tasks < 1 or args.group < 1 or args.episodes < 1 or args.budget_s <= 0:
-        parser.error("--tasks, --group, --episodes and --budget-s must be positive")
+    args = parse_batch_args(parser, argv)
     only = None if args.only is None else set(args.only.split(","))
     known = set(registered_envs())
     results, skipped = [], []
@@ -187,17 +171,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch": args.tasks * args.group,
         "episodes": args.episodes,
         "prompt": {"style": args.style, "memory_mode": args.memory_mode},
-        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+        "machine": machine(),
         "results": results,
         "skipped": skipped,
         "total_s": round(time.perf_counter() - start, 2),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n", encoding="utf-8")
-    return report
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

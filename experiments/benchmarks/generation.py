@@ -15,16 +15,16 @@ count conservative. Prints JSON and writes it to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from experiments.benchmarks.common import write_report
 
 MODEL = dict(
     vocab_size=16384,
@@ -180,11 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": platform.processor() or platform.machine(),
         "load_avg_1m": os.getloadavg()[0],
     }
-    print(json.dumps(result, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return write_report(result, args.out)
 
 
 if __name__ == "__main__":

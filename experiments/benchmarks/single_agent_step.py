@@ -19,17 +19,15 @@ game engine per environment. Prints JSON and writes it to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import random
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from experiments.benchmarks.common import batch_parser, machine, mean, parse_batch_args, write_report
 from mage_jax.envs import TextEnv, make_env
 from mage_jax.envs.prompts import EpisodeRecord, Move, render_play_prompt, render_reflect_prompt
 
@@ -112,9 +110,6 @@ def bench(name: str, make: Callable[[], TextEnv], *, tasks: int, group: int, epi
     for env in envs:
         getattr(env, "close", lambda: None)()
 
-    def mean(values: list[float]) -> float | None:
-        return round(statistics.fmean(values), 3) if values else None
-
     return {
         "env": name,
         "meta_episodes": n,
@@ -171,20 +166,11 @@ def _alfworld_source(data: str | None, workdir: Path, games: int) -> tuple[dict[
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", default="runs/benchmarks/single_agent_step.json")
-    parser.add_argument("--tasks", type=int, default=8, help="task instances (groups)")
-    parser.add_argument("--group", type=int, default=8, help="meta-episodes per task instance")
-    parser.add_argument("--episodes", type=int, default=3)
-    parser.add_argument("--budget-s", type=float, default=20.0, help="measured seconds per environment")
+    parser = batch_parser(__doc__, out="runs/benchmarks/single_agent_step.json", tasks=8, budget_s=20.0,
+                          budget_help="measured seconds per environment")
     parser.add_argument("--only", default="webshop,alfworld", help="comma-separated: webshop, alfworld")
     parser.add_argument("--alfworld-data", default=None, help="real ALFWorld data folder (else local games)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.tasks < 1 or args.group < 1 or args.episodes < 1 or args.budget_s <= 0:
-        parser.error("--tasks, --group, --episodes and --budget-s must be positive")
+    args = parse_batch_args(parser, argv)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     if not only <= {"webshop", "alfworld"}:
         parser.error("--only takes webshop and / or alfworld")
@@ -209,17 +195,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "episodes": args.episodes,
         "prompt": {"style": "full", "memory_mode": "history_and_reflection", "admissible": True},
         "sources": sources,
-        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+        "machine": machine(),
         "results": results,
         "skipped": skipped,
         "total_s": round(time.perf_counter() - start, 2),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n", encoding="utf-8")
-    return report
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":
