@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, TextEnv, register_env
+from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, register_env
 from mage_jax.envs.opponents.kuhn import (
     ACTION_LETTERS,
     BET,
@@ -30,6 +30,7 @@ from mage_jax.envs.opponents.kuhn import (
     KuhnPlayer,
     make_kuhn_opponent,
 )
+from mage_jax.envs.two_player import TwoPlayerGameEnv, check_seat, preview
 
 __all__ = [
     "KUHN_HELD_OUT_OPPONENTS",
@@ -115,7 +116,7 @@ def _result_text(payoff: int) -> str:
 
 
 @register_env("kuhn_poker")
-class KuhnPokerEnv(TextEnv):
+class KuhnPokerEnv(TwoPlayerGameEnv):
     """One meta-episode of Kuhn Poker against a fixed opponent and seat.
 
     The observation after the game ends also states the result (chips won or lost), which the
@@ -137,8 +138,8 @@ class KuhnPokerEnv(TextEnv):
         max_turns: int = 6,
         replayable_restarts: bool = False,
     ):
-        _check_opponent(opponent)
-        _check_seat(seat)
+        self._check_opponent(opponent)
+        check_seat(seat)
         if int(max_turns) < 2:
             raise ValueError(f"max_turns must be at least 2 (two agent decisions), got {max_turns}")
         self.max_turns = int(max_turns)
@@ -152,14 +153,7 @@ class KuhnPokerEnv(TextEnv):
 
     # ----------------------------------------------------------------------------- task instance
     def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None) -> str:
-        opponent = self.default_opponent if opponent is None else opponent
-        seat = self.default_seat if seat is None else seat
-        _check_opponent(opponent)
-        _check_seat(seat)
-        if not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        self._seed = int(seed)
-        self._seat = int(seat)
+        opponent = self._begin_task(seed, opponent, seat)
         self._agent_card, self._opponent_card = kuhn_deal(self._seed)
         self._player = make_kuhn_opponent(opponent)
         return self.restart()
@@ -175,30 +169,13 @@ class KuhnPokerEnv(TextEnv):
         return self.observation
 
     # ----------------------------------------------------------------------------- playing
-    def step_action(self, action: str) -> StepResult:
-        if self._player is None:
-            raise RuntimeError("call reset(seed) before step()")
-        if self.done:
-            return self.invalid_step("the game is over")
+    def _agent_move(self, action: str) -> tuple[str | None, str]:
         text = action.strip() if isinstance(action, str) else ""
         if text not in ACTION_TEXTS:
-            return self.invalid_step(f"expected PASS or BET, got {_preview(action)}")
-        self._turns += 1
+            return None, f"expected PASS or BET, got {preview(action)}"
         self._history += ACTION_LETTERS[PASS if text == "PASS" else BET]
         self._opponent_moves()
-        if self._payoff is None and self._turns >= self.max_turns:
-            self._timed_out = True
-        return self._result(valid=True, action=text)
-
-    def invalid_step(self, reason: str) -> StepResult:
-        """Nothing changes but the turn is used up; the last allowed turn ends the game (reward 0)."""
-        if self._player is not None and not self.done:
-            self._turns += 1
-            if self._turns >= self.max_turns:
-                self._timed_out = True
-        result = self._result(valid=False, action=None)
-        extra = {**result.info.extra, "invalid_reason": reason}
-        return StepResult(result.observation, 0.0, result.done, _with_extra(result.info, extra), None)
+        return text, ""
 
     def legal_actions(self) -> list[str]:
         return [] if self._player is None or self.done else list(ACTION_TEXTS)
@@ -220,17 +197,9 @@ class KuhnPokerEnv(TextEnv):
         return None if self._player is None else self._player.name
 
     @property
-    def seat(self) -> int:
-        return self._seat
-
-    @property
     def history(self) -> str:
         """The public betting history in OpenSpiel's letters (``p`` / ``b``)."""
         return self._history
-
-    @property
-    def turns(self) -> int:
-        return self._turns
 
     @property
     def task_info(self) -> dict[str, Any]:
@@ -253,6 +222,10 @@ class KuhnPokerEnv(TextEnv):
         return f"Your Card: {agent} | Opponent's Card: {opponent}"
 
     # ----------------------------------------------------------------------------- internals
+    def _check_opponent(self, name: Any) -> None:
+        if name not in KUHN_OPPONENTS:
+            raise ValueError(f"unknown Kuhn Poker opponent {name!r}; known: {', '.join(KUHN_OPPONENTS)}")
+
     def _cards_by_player(self) -> tuple[int, int]:
         if self._seat == 0:
             return self._agent_card, self._opponent_card
@@ -277,22 +250,3 @@ class KuhnPokerEnv(TextEnv):
             extra={"payoff": payoff, "timeout": self._timed_out, "turn": self._turns},
         )
         return StepResult(self.observation, float(reward), self.done, info, action)
-
-
-def _with_extra(info: StepInfo, extra: dict[str, Any]) -> StepInfo:
-    return StepInfo(info.won, info.draw, info.valid, info.score, info.opponent, extra)
-
-
-def _check_opponent(name: Any) -> None:
-    if name not in KUHN_OPPONENTS:
-        raise ValueError(f"unknown Kuhn Poker opponent {name!r}; known: {', '.join(KUHN_OPPONENTS)}")
-
-
-def _check_seat(seat: Any) -> None:
-    if seat not in (0, 1):
-        raise ValueError(f"seat must be 0 (agent first) or 1 (agent second), got {seat!r}")
-
-
-def _preview(text: Any, limit: int = 40) -> str:
-    text = repr(text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, TextEnv, register_env
+from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, register_env
 from mage_jax.envs.opponents.tic_tac_toe import (
     TIC_TAC_TOE_HELD_OUT_OPPONENTS,
     TIC_TAC_TOE_TRAINING_POOL,
@@ -29,6 +29,7 @@ from mage_jax.envs.opponents.tic_tac_toe import (
     make_tic_tac_toe_opponent,
 )
 from mage_jax.envs.parsing import extract_cell
+from mage_jax.envs.two_player import TwoPlayerGameEnv, check_seat, preview
 
 __all__ = [
     "TIC_TAC_TOE_HELD_OUT_OPPONENTS",
@@ -86,7 +87,7 @@ def parse_cell(text: str) -> tuple[int | None, str]:
     """(cell index, "") for the first ``(row, col)`` pair of ``text``; (None, reason) when there is none."""
     pair = extract_cell(text)
     if pair is None:
-        return None, f"expected (row, col), got {_preview(text)}"
+        return None, f"expected (row, col), got {preview(text)}"
     row, col = pair
     if not (1 <= row <= 3 and 1 <= col <= 3):
         return None, f"({row}, {col}) is off the board (rows and columns are 1 to 3)"
@@ -98,7 +99,7 @@ def cell_text(cell: int) -> str:
 
 
 @register_env("tic_tac_toe")
-class TicTacToeEnv(TextEnv):
+class TicTacToeEnv(TwoPlayerGameEnv):
     """One meta-episode of Tic-Tac-Toe against a fixed opponent and seat."""
 
     max_turns: int = 8
@@ -115,7 +116,7 @@ class TicTacToeEnv(TextEnv):
         replayable_restarts: bool = False,
         opponent_seed: int | None = None,
     ):
-        _check_seat(seat)
+        check_seat(seat)
         make_tic_tac_toe_opponent(opponent, 0)  # fail early on an unknown name or missing OpenSpiel
         if int(max_turns) < 5:
             raise ValueError(f"max_turns must be at least 5 (all agent's moves of a game), got {max_turns}")
@@ -128,17 +129,10 @@ class TicTacToeEnv(TextEnv):
 
     # ----------------------------------------------------------------------------- task instance
     def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None) -> str:
-        opponent = self.default_opponent if opponent is None else opponent
-        seat = self.default_seat if seat is None else seat
-        _check_seat(seat)
-        if not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        self._seed = int(seed)
-        self._seat = int(seat)
-        self._opponent_name = opponent
+        self._opponent_name = self._begin_task(seed, opponent, seat)
         salt = [] if self.opponent_seed is None else [int(self.opponent_seed)]
         self._player_seed = int(np.random.SeedSequence([self._seed, *salt]).generate_state(1)[0])
-        self._player = make_tic_tac_toe_opponent(opponent, self._player_seed)
+        self._player = make_tic_tac_toe_opponent(self._opponent_name, self._player_seed)
         self._opening = self._player.act([]) if self._seat == 1 else None
         return self._restore()
 
@@ -159,35 +153,16 @@ class TicTacToeEnv(TextEnv):
         return self.observation
 
     # ----------------------------------------------------------------------------- playing
-    def step_action(self, action: str) -> StepResult:
-        if self._player is None:
-            raise RuntimeError("call reset(seed) before step()")
-        if self.done:
-            return self.invalid_step("the game is over")
+    def _agent_move(self, action: str) -> tuple[str | None, str]:
         cell, reason = parse_cell(action)
         if cell is None:
-            return self.invalid_step(reason)
+            return None, reason
         if cell in self._moves:
-            return self.invalid_step(f"{cell_text(cell)} is already taken")
-        self._turns += 1
+            return None, f"{cell_text(cell)} is already taken"
         self._play(cell)
         if self._outcome is None:
             self._play(self._player.act(list(self._moves)))
-        if self._outcome is None and self._turns >= self.max_turns:
-            self._timed_out = True
-        return self._result(valid=True, action=cell_text(cell))
-
-    def invalid_step(self, reason: str) -> StepResult:
-        """Nothing changes but the turn is used up; the last allowed turn ends the game (reward 0)."""
-        if self._player is not None and not self.done:
-            self._turns += 1
-            if self._turns >= self.max_turns:
-                self._timed_out = True
-        result = self._result(valid=False, action=None)
-        info = result.info
-        extra = {**info.extra, "invalid_reason": reason}
-        info = StepInfo(info.won, info.draw, info.valid, info.score, info.opponent, extra)
-        return StepResult(result.observation, 0.0, result.done, info, None)
+        return cell_text(cell), ""
 
     def legal_actions(self) -> list[str]:
         if self._player is None or self.done:
@@ -210,17 +185,9 @@ class TicTacToeEnv(TextEnv):
         return None if self._player is None else self._opponent_name
 
     @property
-    def seat(self) -> int:
-        return self._seat
-
-    @property
     def moves(self) -> tuple[int, ...]:
         """Cells played so far (0-based ``row * 3 + col``), the first mover's first."""
         return tuple(self._moves)
-
-    @property
-    def turns(self) -> int:
-        return self._turns
 
     @property
     def task_info(self) -> dict[str, Any]:
@@ -249,13 +216,3 @@ class TicTacToeEnv(TextEnv):
             extra={"timeout": self._timed_out, "turn": self._turns},
         )
         return StepResult(self.observation, float(reward), self.done, info, action)
-
-
-def _check_seat(seat: Any) -> None:
-    if seat not in (0, 1):
-        raise ValueError(f"seat must be 0 (agent first) or 1 (agent second), got {seat!r}")
-
-
-def _preview(text: Any, limit: int = 40) -> str:
-    text = repr(text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
