@@ -17,8 +17,15 @@ import random
 import time
 from typing import Any
 
-from experiments.benchmarks.common import batch_parser, machine, mean, parse_batch_args, write_report
-from mage_jax.envs import make_env, registered_envs
+from experiments.benchmarks.common import (
+    batch_parser,
+    mean,
+    parse_batch_args,
+    restart_all,
+    step_all,
+    write_batch_report,
+)
+from mage_jax.envs import TextEnv, make_env, registered_envs
 from mage_jax.envs.prompts import (
     MEMORY_MODES,
     STYLES,
@@ -47,6 +54,11 @@ def _seat(mode: str, group: int) -> int | None:
     return {"none": None, "first": 0, "second": 1}.get(mode, group % 2)
 
 
+def _random_legal(env: TextEnv, rng: random.Random) -> str:
+    legal = env.legal_actions()
+    return rng.choice(legal) if legal else "none"
+
+
 def bench_config(env_name: str, opponent: str | None, seats: str, *, tasks: int, group: int,
                  episodes: int, budget_s: float, seed: int, style: str = "full",
                  memory_mode: str = "history_and_reflection") -> dict[str, Any]:
@@ -71,10 +83,7 @@ def bench_config(env_name: str, opponent: str | None, seats: str, *, tasks: int,
         if not active or out_of_budget:
             break
         if episode > 0:
-            t0 = time.perf_counter()
-            for i in active:
-                initial[i] = envs[i].restart()
-            restart_ms.append((time.perf_counter() - t0) * 1e3)
+            restart_ms.append(restart_all(envs, active, initial))
         moves: dict[int, list[Move]] = {i: [] for i in active}
         playing = list(active)
         last_won = dict.fromkeys(active, False)
@@ -87,15 +96,7 @@ def bench_config(env_name: str, opponent: str | None, seats: str, *, tasks: int,
                 render_play_prompt(spec, initial[i], memory[i], episode, moves[i],
                                    memory_mode=memory_mode, style=style)
             t1 = time.perf_counter()
-            still = []
-            for i in playing:
-                legal = envs[i].legal_actions()
-                action = rng.choice(legal) if legal else "none"
-                result = envs[i].step(f"<think>trying</think><action>{action}</action>")
-                moves[i].append(Move(result.action, result.observation, result.reward, result.info.valid))
-                last_won[i] = result.info.won
-                if not result.done:
-                    still.append(i)
+            still = step_all(envs, playing, lambda env: _random_legal(env, rng), moves, last_won)
             t2 = time.perf_counter()
             render_ms.append((t1 - t0) * 1e3)
             step_ms.append((t2 - t1) * 1e3)
@@ -165,18 +166,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         except ImportError as error:  # e.g. MCTS without OpenSpiel
             skipped.append({"env": env_name, "opponent": opponent, "reason": str(error)})
-    report = {
-        "benchmark": "env_step",
-        "command": "python -m experiments.benchmarks.env_step",
-        "batch": args.tasks * args.group,
-        "episodes": args.episodes,
-        "prompt": {"style": args.style, "memory_mode": args.memory_mode},
-        "machine": machine(),
-        "results": results,
-        "skipped": skipped,
-        "total_s": round(time.perf_counter() - start, 2),
-    }
-    return write_report(report, args.out)
+    return write_batch_report("env_step", args, started=start, results=results, skipped=skipped,
+                              prompt={"style": args.style, "memory_mode": args.memory_mode})
 
 
 if __name__ == "__main__":

@@ -27,7 +27,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from experiments.benchmarks.common import batch_parser, machine, mean, parse_batch_args, write_report
+from experiments.benchmarks.common import (
+    batch_parser,
+    mean,
+    parse_batch_args,
+    restart_all,
+    step_all,
+    write_batch_report,
+)
 from mage_jax.envs import TextEnv, make_env
 from mage_jax.envs.prompts import EpisodeRecord, Move, render_play_prompt, render_reflect_prompt
 
@@ -62,10 +69,7 @@ def bench(name: str, make: Callable[[], TextEnv], *, tasks: int, group: int, epi
         if not live or measured > budget_s:
             break
         if episode > 0:
-            t0 = time.perf_counter()
-            for i in live:
-                initial[i] = envs[i].restart()
-            restart_ms.append((time.perf_counter() - t0) * 1e3)
+            restart_ms.append(restart_all(envs, live, initial))
         moves: dict[int, list[Move]] = {i: [] for i in live}
         won = dict.fromkeys(live, False)
         playing = list(live)
@@ -79,13 +83,7 @@ def bench(name: str, make: Callable[[], TextEnv], *, tasks: int, group: int, epi
                                             admissible=envs[i].legal_actions())
                 prompt_chars.append(len(prompt))
             t1 = time.perf_counter()
-            still = []
-            for i in playing:
-                result = envs[i].step(f"<think>trying</think><action>{_random_action(envs[i], rng)}</action>")
-                moves[i].append(Move(result.action, result.observation, result.reward, result.info.valid))
-                won[i] = result.info.won
-                if not result.done:
-                    still.append(i)
+            still = step_all(envs, playing, lambda env: _random_action(env, rng), moves, won)
             t2 = time.perf_counter()
             render_ms.append((t1 - t0) * 1e3)
             step_ms.append((t2 - t1) * 1e3)
@@ -188,19 +186,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 results.append(bench("alfworld", lambda: make_env("alfworld", **options), **common))
             except ImportError as error:
                 skipped.append({"env": "alfworld", "reason": str(error)})
-    report = {
-        "benchmark": "single_agent_step",
-        "command": "python -m experiments.benchmarks.single_agent_step",
-        "batch": args.tasks * args.group,
-        "episodes": args.episodes,
-        "prompt": {"style": "full", "memory_mode": "history_and_reflection", "admissible": True},
-        "sources": sources,
-        "machine": machine(),
-        "results": results,
-        "skipped": skipped,
-        "total_s": round(time.perf_counter() - start, 2),
-    }
-    return write_report(report, args.out)
+    prompt = {"style": "full", "memory_mode": "history_and_reflection", "admissible": True}
+    return write_batch_report("single_agent_step", args, started=start, results=results, skipped=skipped,
+                              prompt=prompt, sources=sources)
 
 
 if __name__ == "__main__":
