@@ -148,20 +148,6 @@ class PackedBatch:
     constraint_table: np.ndarray | None = None
 
     TOKEN_FIELDS = ("tokens", "positions", "token_mask", "targets", "response_mask", "sampling_logprobs")
-    ROW_FIELDS = (
-        "prompt_lengths",
-        "response_lengths",
-        "group",
-        "meta_episode",
-        "episode",
-        "step",
-        "is_reflect",
-        "anchor",
-        "env_reward",
-        "invalid",
-        "response_length",
-        "mask",
-    )
     ROW_BATCH_FIELDS = (
         "group",
         "meta_episode",
@@ -174,6 +160,7 @@ class PackedBatch:
         "response_length",
         "mask",
     )
+    ROW_FIELDS = ("prompt_lengths", "response_lengths", *ROW_BATCH_FIELDS)
 
     @property
     def shape(self) -> tuple[int, int]:
