@@ -97,7 +97,8 @@ def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):
     "argv, message",
     [
         (["--optim.lr", "-1"], "error: optim.lr must be > 0 (got -1.0)"),
-        (["--set", "rollout.batch_size=30"], "error: rollout.group_size 4 does not divide rollout.batch_size 30"),
+        (["--set", "rollout.batch_size=30"],
+         "error: rollout.group_size 4 does not divide rollout.batch_size 30"),
         (["--optim.lrr", "1"], "error: unknown config key 'optim.lrr'"),
         (["--preset", "small"], "error: preset 'small' loads a pretrained model"),
         (["--preset", "paper", "--model-path", "/nonexistent/qwen"], "error: model.path '/nonexistent/qwen'"),
