@@ -58,7 +58,7 @@ def test_pretrained_presets_with_a_missing_folder_name_the_folder(env, tmp_path)
         environment(env).config("paper", {"model.path": str(tmp_path / "absent")})
 
 
-@pytest.mark.parametrize("env", [e for e in ENVS if e != "kuhn_poker"])
+@pytest.mark.parametrize("env", ENVS)
 def test_paper_preset_follows_the_paper_settings_table(env, model_dir):
     cfg = environment(env).config("paper", {"model.path": model_dir})
     p = PAPER_SETTINGS[env]
