@@ -145,6 +145,8 @@ class Aggregate:
     iterations: int
     by_opponent_payoff: dict[str, tuple[float, float | None]]
     reference: dict[str, Any] | None
+    per_seed: dict[int, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
+    """seed -> (final success, first-episode payoff, final payoff): tiny runs are often bimodal."""
 
 
 def aggregate(records: Sequence[RunRecord], split: str) -> dict[str, Aggregate]:
@@ -179,6 +181,8 @@ def aggregate(records: Sequence[RunRecord], split: str) -> dict[str, Aggregate]:
             wall_seconds=float(np.mean([r.summary.get("wall_seconds", 0.0) for r in recs])),
             iterations=int(recs[0].summary.get("iterations", 0)), by_opponent_payoff=opponents,
             reference=blocks[0].get("reference"),
+            per_seed={r.seed: (float(c["success"][-1]), float(c["payoff"][0]), float(c["payoff"][-1]))
+                      for r, c in zip(recs, curves)},
         )
     return out
 
@@ -224,6 +228,15 @@ def markdown_table(aggregates: Mapping[str, Aggregate], *, paper: Mapping[str, s
         for name, a in aggregates.items():
             cells = [_pm(*a.by_opponent_payoff[o], signed=True) if o in a.by_opponent_payoff else "–"
                      for o in opponents]
+            lines.append(f"| {(labels or {}).get(name, name)} | " + " | ".join(cells) + " |")
+    seeds = sorted({seed for a in aggregates.values() for seed in a.per_seed})
+    if len(seeds) > 1:
+        lines += ["", f"per seed: success@{K}, payoff@1 → payoff@{K}:", "",
+                  "| variant | " + " | ".join(f"seed {seed}" for seed in seeds) + " |",
+                  "|" + "---|" * (len(seeds) + 1)]
+        for name, a in aggregates.items():
+            cells = [(f"{a.per_seed[seed][0]:.3f}, {a.per_seed[seed][1]:+.3f} → {a.per_seed[seed][2]:+.3f}"
+                      if seed in a.per_seed else "–") for seed in seeds]
             lines.append(f"| {(labels or {}).get(name, name)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -85,6 +85,21 @@ def test_markdown_table_has_a_row_per_variant_the_paper_column_and_the_reference
     assert "winnable share" in text and "final-episode payoff by opponent" in text
 
 
+def test_markdown_table_lists_every_seed_so_bimodal_runs_show():
+    records = [RunRecord("differential", 0, "", _summary([0.5, 0.6], [0.0, 0.4]), "ran"),
+               RunRecord("differential", 3, "", _summary([0.4, 0.47], [0.06, 0.06]), "ran"),
+               RunRecord("cumulative", 0, "", _summary([0.5, 0.55], [0.1, 0.3]), "ran")]
+    text = markdown_table(aggregate(records, "eval"))
+    assert "| variant | seed 0 | seed 3 |" in text
+    assert "| differential | 0.600, +0.000 → +0.400 | 0.470, +0.060 → +0.060 |" in text
+    assert "| cumulative | 0.550, +0.100 → +0.300 | – |" in text
+
+
+def test_one_seed_has_no_per_seed_table():
+    records = [RunRecord("a", 0, "", _summary([0.5], [1.0]), "ran")]
+    assert "per seed" not in markdown_table(aggregate(records, "eval"))
+
+
 def test_plot_is_written_as_a_small_png(tmp_path):
     records = [RunRecord("a", s, "", _summary([0.1, 0.2], [0.0, 0.3]), "ran") for s in (0, 1)]
     path = plot_aggregates(aggregate(records, "eval"), str(tmp_path / "fig" / "p.png"), title="t")
