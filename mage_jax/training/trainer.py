@@ -267,16 +267,21 @@ def checkpoint_dir(cfg: C.ExperimentConfig, run_dir: str | None = None) -> str:
     return cfg.checkpoint.dir or os.path.join(run_dir or cfg.logging.run_dir or ".", "checkpoints")
 
 
-def restore_params(parts: RunParts, directory: str, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-    """The trained parameters (and metadata) of a checkpoint, placed like ``parts.init_params``."""
-    from mage_jax.training.checkpoint import Checkpointer
+def make_train_step(parts: RunParts, step_config: Any = None):
+    """The jitted train step of ``parts.cfg.optim`` (AdamW + clipping on its learning-rate schedule)."""
     from mage_jax.training.train_step import StepConfig, TrainStep, learning_rate_schedule, make_optimizer
 
     o = parts.cfg.optim
     schedule = learning_rate_schedule(o.lr, o.warmup_steps)
     optimizer = make_optimizer(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
-    template = TrainStep(parts.graphdef, optimizer, schedule, StepConfig(), parts.mesh).init_state(
-        parts.init_params)
+    return TrainStep(parts.graphdef, optimizer, schedule, step_config or StepConfig(), parts.mesh)
+
+
+def restore_params(parts: RunParts, directory: str, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """The trained parameters (and metadata) of a checkpoint, placed like ``parts.init_params``."""
+    from mage_jax.training.checkpoint import Checkpointer
+
+    template = make_train_step(parts).init_state(parts.init_params)
     with Checkpointer(directory) as ckpt:
         if ckpt.latest_step() is None:
             raise C.ConfigError(f"no complete checkpoint in {directory!r}")
@@ -436,23 +441,20 @@ class Trainer:
     # -- setup -------------------------------------------------------------------------------------
     def _setup(self) -> None:
         from mage_jax.training.checkpoint import Checkpointer
-        from mage_jax.training.train_step import StepConfig, TrainStep, learning_rate_schedule, make_optimizer
+        from mage_jax.training.train_step import StepConfig
 
         cfg = self.cfg
         os.makedirs(self.run_dir, exist_ok=True)
         C.save(cfg, self.run_dir)
         self.parts = build_parts(cfg, self.run_dir)
         o = cfg.optim
-        schedule = learning_rate_schedule(o.lr, o.warmup_steps)
-        optimizer = make_optimizer(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
-                                   grad_clip=o.grad_clip)
         constraint_len = cfg.rollout.max_response_tokens if cfg.rollout.constrained_actions else 0
         step_cfg = StepConfig(
             clip_eps=o.clip_eps, dual_clip=o.dual_clip, entropy_coef=o.entropy_coef, kl_coef=o.kl_coef,
             kl_kind=o.kl_kind, aggregation=o.aggregation, chunk_size=o.logprob_chunk,
             constraint_len=constraint_len,
         )
-        self.step = TrainStep(self.parts.graphdef, optimizer, schedule, step_cfg, self.parts.mesh)
+        self.step = make_train_step(self.parts, step_cfg)
         self.state = self.step.init_state(self.parts.init_params)
         # The frozen reference for the KL term is the initial model (a copy: the train state is donated).
         self.ref_params = jax.tree.map(jnp.copy, self.state.params) if o.kl_coef > 0 else None
