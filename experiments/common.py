@@ -52,13 +52,16 @@ class RunOptions:
     resume: bool
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not usage + message
+class ConfigErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors are ``ConfigError`` (one ``error:`` line, exit 2), not usage text."""
+
+    def error(self, message: str) -> None:
         raise C.ConfigError(message)
 
 
-def _parser(prog: str, description: str, presets: Mapping[str, Preset], default_preset: str) -> _Parser:
-    p = _Parser(prog=prog, description=description, allow_abbrev=False,
+def _parser(prog: str, description: str, presets: Mapping[str, Preset],
+            default_preset: str) -> ConfigErrorParser:
+    p = ConfigErrorParser(prog=prog, description=description, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Config keys take --KEY VALUE or --set KEY=VALUE, e.g. --optim.lr 1e-3 "
                        "(list them with --list-keys). Presets: "

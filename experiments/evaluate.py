@@ -30,18 +30,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from experiments.common import EXIT_CONFIG_ERROR, split_dotted
+from experiments.common import EXIT_CONFIG_ERROR, ConfigErrorParser, split_dotted
 from mage_jax import config as C
 
 ZERO_SHOT_METHODS = ("react", "reflexion")
 
 
 def _parser() -> argparse.ArgumentParser:
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str) -> None:
-            raise C.ConfigError(message)
-
-    p = Parser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0],
+    p = ConfigErrorParser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0],
                allow_abbrev=False)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="a run directory with config.json and checkpoints/")

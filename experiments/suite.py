@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.common import split_dotted
+from experiments.common import ConfigErrorParser, split_dotted
 from experiments.harness import ExperimentOptions
 from experiments.presets import EnvExperiment
 from mage_jax import config as C
@@ -281,14 +281,9 @@ def plot_aggregates(aggregates: Mapping[str, Aggregate], path: str, *, title: st
 # command line of suites
 
 
-class _SuiteParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not usage + message
-        raise C.ConfigError(message)
-
-
 def suite_parser(prog: str, description: str, *, variants: Sequence[str], envs: Sequence[str],
                  default_env: str) -> argparse.ArgumentParser:
-    p = _SuiteParser(prog=prog, description=description, allow_abbrev=False)
+    p = ConfigErrorParser(prog=prog, description=description, allow_abbrev=False)
     p.add_argument("--env", default=default_env, choices=list(envs))
     p.add_argument("--preset", default="tiny", help="tiny (CPU), small or paper (need --model-path)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0,1,2 tiny; 0 otherwise)")

@@ -20,7 +20,6 @@ resumed, so the command can be stopped and repeated.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -28,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from experiments.baselines import METHODS, PAPER_TABLE1
-from experiments.common import split_dotted
+from experiments.common import ConfigErrorParser, split_dotted
 from experiments.presets import ENVIRONMENT_MODULES, environment
 from experiments.suite import (
     Aggregate,
@@ -43,11 +42,6 @@ from experiments.suite import (
 from mage_jax import config as C
 
 DEFAULT_ENVS = ("kuhn_poker", "tic_tac_toe")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise C.ConfigError(message)
 
 
 def method_variants(methods: Sequence[str]) -> list[Variant]:
@@ -115,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     dotted, rest = split_dotted(argv)
-    p = _Parser(prog="python -m experiments.table1", description="Table 1: methods x environments",
+    p = ConfigErrorParser(prog="python -m experiments.table1", description="Table 1: methods x environments",
                 allow_abbrev=False)
     p.add_argument("--envs", default=",".join(DEFAULT_ENVS))
     p.add_argument("--methods", default=",".join(METHODS))
