@@ -1,10 +1,18 @@
 """Extracting actions and reflections from raw model output (spec section 3).
 
-Parsing runs on the whole decoded response, ``<think>`` block included, and never raises: any
-string (unicode, megabytes, unclosed or nested tags) yields either the extracted text or None.
-Rule: the *first* opening tag and the first closing tag after it, as the reference's find-based
-parsing does. A reasoning block that writes a tag pair before the real answer therefore decides
-the action; that is the reference behaviour, and the model learns to avoid it.
+Parsing never raises: any string (unicode, megabytes, unclosed or nested tags) yields either the
+extracted text or None. One rule for every environment:
+
+1. the reasoning is set aside: every closed ``<think>...</think>`` block is removed, and a
+   ``</think>`` without an opening tag before it (a chat template that opens the block in the
+   prompt) ends the reasoning, so only the text after it counts;
+2. in what remains, the *last* complete ``<tag>...</tag>`` pair is the answer.
+
+A thinking model mentions tags while it reasons ("maybe <action>BET</action>? no..."), and it may
+restate the answer; the final answer is the last tag pair outside the reasoning. The reference takes
+the last pair for Tic-Tac-Toe, ALFWorld and WebShop and the first for Kuhn Poker and Sokoban, on
+the whole response; docs/deviations.md lists the difference. An unclosed ``<think>`` block (a
+response cut at the length limit) is kept as text.
 """
 
 from __future__ import annotations
@@ -14,31 +22,55 @@ import re
 MAX_REFLECTION_CHARS = 2000
 _CELL = re.compile(r"\(\s*([+-]?\d+)\s*,\s*([+-]?\d+)\s*\)")
 _MAX_COORDINATE_DIGITS = 6
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+
+
+def strip_thinking(text: str) -> str:
+    """``text`` without its closed ``<think>...</think>`` blocks and without anything before a
+    ``</think>`` that has no opening tag (linear time, any input)."""
+    parts, position = [], 0
+    while True:
+        start = text.find(_THINK_OPEN, position)
+        end = -1 if start < 0 else text.find(_THINK_CLOSE, start + len(_THINK_OPEN))
+        if end < 0:
+            parts.append(text[position:])
+            break
+        parts.append(text[position:start])
+        position = end + len(_THINK_CLOSE)
+    visible = "".join(parts)
+    unopened = visible.rfind(_THINK_CLOSE)
+    return visible if unopened < 0 else visible[unopened + len(_THINK_CLOSE):]
 
 
 def extract_tagged(text: str, tag: str) -> str | None:
-    """Text between the first ``<tag>`` and the first ``</tag>`` after it, stripped; None if absent."""
+    """Text of the last complete ``<tag>...</tag>`` pair of ``text``, stripped; None if there is none.
+
+    The pair is the last ``</tag>`` and the last ``<tag>`` before it, so a trailing unclosed
+    ``<tag>`` (a cut-off restatement) leaves the earlier complete answer in force.
+    """
     if not isinstance(text, str):
         return None
     open_tag, close_tag = f"<{tag}>", f"</{tag}>"
-    start = text.find(open_tag)
-    if start < 0:
-        return None
-    start += len(open_tag)
-    end = text.find(close_tag, start)
+    end = text.rfind(close_tag)
     if end < 0:
         return None
-    return text[start:end].strip()
+    start = text.rfind(open_tag, 0, end)
+    if start < 0:
+        return None
+    return text[start + len(open_tag):end].strip()
 
 
 def extract_action(response: str) -> str | None:
-    """The text inside ``<action>...</action>``, or None (an invalid turn)."""
-    return extract_tagged(response, "action")
+    """The answer's ``<action>...</action>`` text (rule in the module docstring), or None (an invalid turn)."""
+    if not isinstance(response, str):
+        return None
+    return extract_tagged(strip_thinking(response), "action")
 
 
 def extract_reflection(response: str) -> tuple[str, bool]:
-    """(reflection, valid): the ``<remark>`` text capped at 2000 characters; missing tags -> ("", False)."""
-    text = extract_tagged(response, "remark")
+    """(reflection, valid): the answer's ``<remark>`` text capped at 2000 characters; missing tags ->
+    ("", False)."""
+    text = extract_tagged(strip_thinking(response), "remark") if isinstance(response, str) else None
     if text is None:
         return "", False
     return text[:MAX_REFLECTION_CHARS], True
