@@ -10,13 +10,16 @@ Registered estimators:
     group) and A_step = G − mean(G over rows of the group with the same anchor). With
     ``reward_design="cumulative"`` this is LaMer; with ``"single_episode"`` it is GiGPO on single
     episodes (γ_traj is forced to 0).
-  * ``grpo``: the meta-episode score Σ_n d_n − Σ_rows penalties, normalised over the meta-episodes
-    of the group and broadcast to the meta-episode's rows.
+  * ``grpo``: the meta-episode score Σ_n d_n − Σ_rows penalties, minus the mean and divided by
+    (std + ε) of the scores of the group's meta-episodes (GRPO's definition, whatever ``norm`` says),
+    broadcast to the meta-episode's rows.
   * ``rloo``: the same score minus the leave-one-out mean of the other meta-episodes of the group.
 
 Normalisation (``norm``): ``mean_norm`` subtracts the pool mean; ``mean_std_norm`` also divides by
 (std + ε), std being the unbiased (n − 1) sample standard deviation as in the reference, and
-std := 1 for a pool of one. It applies to gigpo (both terms) and grpo; rloo uses no std scaling.
+std := 1 for a pool of one. It applies to gigpo (both terms); grpo always divides by the std and
+rloo never does. A pool whose values are all equal gives exactly 0 in both modes (its float32 mean
+can land one ulp off the common value, which ``mean_std_norm`` would blow up by 1 / (std + ε)).
 """
 
 from __future__ import annotations
@@ -144,14 +147,17 @@ def centre(x: jax.Array, pool: jax.Array, weight: jax.Array, *, std_norm, epsilo
     """x minus the mean of its pool (rows with equal ``pool`` id and ``weight`` set).
 
     With ``std_norm`` (may be traced) the result is divided by (std + ε): unbiased std, std := 1 for
-    a pool of one; a pool of one therefore gives 0. Rows without ``weight`` get their pool's
-    statistics too.
+    a pool of one. A pool of equal values (a pool of one included) gives exactly 0. Rows without
+    ``weight`` get their pool's statistics too.
     """
     nseg = x.shape[0] + 1
     w = weight.astype(jnp.float32)
     count = segment_count(pool, weight)
     mean = jax.ops.segment_sum(x * w, pool, nseg) / jnp.maximum(count, 1.0)
-    deviation = x - mean[pool]
+    highest = jax.ops.segment_max(jnp.where(weight, x, -jnp.inf), pool, nseg)
+    lowest = jax.ops.segment_min(jnp.where(weight, x, jnp.inf), pool, nseg)
+    constant = highest == lowest  # every weighted value of the pool is the same number
+    deviation = jnp.where(constant[pool], 0.0, x - mean[pool])
     square = jax.ops.segment_sum(deviation**2 * w, pool, nseg)
     std = jnp.where(count > 1, jnp.sqrt(square / jnp.maximum(count - 1.0, 1.0)), 1.0)
     return jnp.where(std_norm, deviation / (std[pool] + epsilon), deviation)
@@ -225,9 +231,9 @@ def _meta_episode_scores(rows: RowBatch, p: AdvantageParams):
 
 @register_advantage("grpo")
 def grpo(rows: RowBatch, p: AdvantageParams) -> jax.Array:
-    """Group-normalised meta-episode score, broadcast to the rows of the meta-episode."""
+    """(score − group mean) / (group std + ε) of the meta-episode, broadcast to its rows."""
     score, group, representative = _meta_episode_scores(rows, p)
-    a = centre(score, group, representative, std_norm=p.std_norm, epsilon=p.epsilon)
+    a = centre(score, group, representative, std_norm=True, epsilon=p.epsilon)
     return jnp.where(rows.mask, a, 0.0)
 
 

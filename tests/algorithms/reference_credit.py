@@ -137,10 +137,11 @@ def meta_scores(rows, **credit_kwargs):
     return score
 
 
-def grpo(rows, *, norm="mean_norm", **credit_kwargs):
+def grpo(rows, **credit_kwargs):
+    """GRPO: (score - group mean) / (group std + eps) over the meta-episodes of the group."""
     score = meta_scores(rows, **credit_kwargs)
     keys = sorted(score)
-    values = _centre([score[k] for k in keys], [k[0] for k in keys], norm == "mean_std_norm")
+    values = _centre([score[k] for k in keys], [k[0] for k in keys], std_norm=True)
     centred = dict(zip(keys, values))
     return [centred[(r["group"], r["meta_episode"])] for r in rows]
 

@@ -124,22 +124,25 @@ def broadcast(per_meta):
     return [a] * 4 + [b] + [c] * 3 + [d] * 2
 
 
-def test_grpo_normalises_the_meta_episode_score_within_the_group():
+def test_grpo_divides_by_the_group_mean_and_std_under_either_norm_setting():
+    """GRPO is (score - group mean) / (group std + eps) by definition (spec section 5)."""
     rows = grpo_group()
-    close(compute_advantages("grpo", rows), broadcast([5.0, 5.0, -10.0, 0.0]))
     std = statistics.stdev([10.0, 10.0, -5.0])
-    close(compute_advantages("grpo", rows, AdvantageConfig(norm="mean_std_norm")),
-          broadcast([5 / (std + EPS), 5 / (std + EPS), -10 / (std + EPS), 0.0]))
-    mean = (5.0 + 10.0 - 10.0) / 3  # cumulative: Σ R_n
+    expected = broadcast([5 / (std + EPS), 5 / (std + EPS), -10 / (std + EPS), 0.0])
+    close(compute_advantages("grpo", rows), expected)
+    close(compute_advantages("grpo", rows, AdvantageConfig(norm="mean_std_norm")), expected)
+    scores = [5.0, 10.0, -10.0]  # cumulative: Σ R_n
+    mean, std = sum(scores) / 3, statistics.stdev(scores)
     close(compute_advantages("grpo", rows, AdvantageConfig(reward_design="cumulative")),
-          broadcast([5 - mean, 10 - mean, -10 - mean, 0.0]))
+          broadcast([(v - mean) / (std + EPS) for v in scores] + [0.0]))
 
 
 def test_grpo_and_rloo_subtract_penalties_from_the_meta_episode_score():
     rows = grpo_group()
     rows = rows.replace(invalid=rows.invalid.at[7].set(True))  # meta-episode 2 scores -5 - 0.5
-    mean = (10 + 10 - 5.5) / 3
-    close(compute_advantages("grpo", rows), broadcast([10 - mean, 10 - mean, -5.5 - mean, 0.0]))
+    scores = [10.0, 10.0, -5.5]
+    mean, std = sum(scores) / 3, statistics.stdev(scores)
+    close(compute_advantages("grpo", rows), broadcast([(v - mean) / (std + EPS) for v in scores] + [0.0]))
     close(compute_advantages("rloo", rows), broadcast([10 - 2.25, 10 - 2.25, -5.5 - 10, 0.0]))
 
 
@@ -161,7 +164,7 @@ def _reference(name, rows, cfg: AdvantageConfig):
     if name == "gigpo":
         return ref.gigpo(rows, norm=cfg.norm, anchor=cfg.anchor, omega=cfg.omega, **kwargs)
     if name == "grpo":
-        return ref.grpo(rows, norm=cfg.norm, **kwargs)
+        return ref.grpo(rows, **kwargs)
     return ref.rloo(rows, **kwargs)
 
 
@@ -203,6 +206,17 @@ def test_a_pool_of_one_gives_zero_and_no_nan():
     for name in ("gigpo", "grpo", "rloo"):
         for norm in ("mean_norm", "mean_std_norm"):
             close(compute_advantages(name, rows, AdvantageConfig(norm=norm)), [0.0])
+
+
+def test_a_pool_of_identical_values_gives_exactly_zero():
+    """Seven rows of one group and one anchor, reward 3.55 each: the float32 mean lands one ulp off
+    3.55 and the std near 1e-7, which divided by std + 1e-6 used to give +0.38, not 0."""
+    rows = RowBatch.create(group=[0] * 7, meta_episode=list(range(7)), episode=[0] * 7, step=[0] * 7,
+                           is_reflect=[0] * 7, anchor=[1] * 7, env_reward=[3.55] * 7).pad(HAND)
+    for name in ("gigpo", "grpo", "rloo"):
+        for norm in ("mean_norm", "mean_std_norm"):
+            got = np.asarray(compute_advantages(name, rows, AdvantageConfig(norm=norm)))
+            assert np.all(got == 0.0), (name, norm, got)
 
 
 def test_each_estimator_compiles_once_per_batch_size_whatever_the_settings():
