@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from mage_jax.envs.opponents import (
     make_tic_tac_toe_opponent,
 )
 from mage_jax.envs.opponents.cfr import CFR_POLICY_PATH, compute_cfr_policy
+from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 
 P, B = 0, 1
 J, Q, K = 0, 1, 2
@@ -123,11 +125,12 @@ def test_random_player_is_uniform_over_empty_cells_and_seeded():
     assert np.all(np.abs(counts[empty] / 3000 - 1 / 6) < 0.03)
 
 
-def test_balanced_tic_tac_toe_pool_is_half_mcts_100():
-    pool = dict(TIC_TAC_TOE_TRAINING_POOL)
-    assert pool.pop("mcts-100") == 0.5
-    assert set(pool) == {*PREFERRED_ORDERS, "random"}
-    assert sum(pool.values()) == pytest.approx(0.5) and len(set(pool.values())) == 1
+def test_balanced_tic_tac_toe_pool_matches_the_reference_16_groups():
+    """8 MCTS-100, one group per preferred-order player, 2 random: the reference's group of 16."""
+    sampler = TaskSampler(TaskSamplerConfig(num_tasks=16, group_size=1, opponents=TIC_TAC_TOE_TRAINING_POOL))
+    counts = collections.Counter(sampler.group_opponents())
+    assert counts == {"mcts-100": 8, **{name: 1 for name in PREFERRED_ORDERS}, "random": 2}
+    assert sum(TIC_TAC_TOE_TRAINING_POOL.values()) == pytest.approx(1.0)
 
 
 def test_mcts_takes_a_win_blocks_a_loss_and_is_reproducible_with_its_seed():

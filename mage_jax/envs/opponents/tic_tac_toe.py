@@ -30,12 +30,13 @@ PREFERRED_ORDERS: Mapping[str, tuple[tuple[int, int], ...]] = {
 MCTS_UCT_C = 1.4
 MCTS_ROLLOUTS = 1
 
-_NON_MCTS = (*PREFERRED_ORDERS, "random")
 TIC_TAC_TOE_TRAINING_POOL: Mapping[str, float] = {
-    "mcts-100": 0.5,
-    **{name: 0.5 / len(_NON_MCTS) for name in _NON_MCTS},
+    "mcts-100": 8 / 16,
+    **{name: 1 / 16 for name in PREFERRED_ORDERS},
+    "random": 2 / 16,
 }
-"""The balanced pool: half MCTS-100, half shared equally by the preferred-order and random players."""
+"""The balanced pool of the reference: in 16 groups, 8 meet MCTS-100, one each of the six
+preferred-order players and 2 the random player."""
 
 TIC_TAC_TOE_HELD_OUT_OPPONENTS: tuple[str, ...] = ("mcts-1000",)
 
