@@ -376,7 +376,8 @@ class ALFWorldEnv(TextEnv):
         self._initial = ""
 
     # -- protocol -------------------------------------------------------------------------------
-    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None) -> str:
+    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None,
+              copy: int = 0) -> str:
         if opponent is not None or seat not in (None, 0):
             raise ValueError(f"ALFWorld is a single-agent task; got opponent {opponent!r}, seat {seat!r}")
         self._seed = int(seed)

@@ -71,10 +71,12 @@ class TextEnv(abc.ABC):
     prompt_spec: PromptSpec
 
     @abc.abstractmethod
-    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None) -> str:
+    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None, copy: int = 0) -> str:
         """Draw the task instance of ``seed`` (and fix its opponent and seat); return the first observation.
 
         When the opponent moves first, its opening move is already applied in the returned observation.
+        ``copy`` is the meta-episode's index inside its group: the initial state never depends on it;
+        a stochastic opponent draws its later moves from a stream seeded by (seed, copy).
         """
 
     @abc.abstractmethod

@@ -152,7 +152,8 @@ class KuhnPokerEnv(TwoPlayerGameEnv):
         self._player: KuhnPlayer | None = None
 
     # ----------------------------------------------------------------------------- task instance
-    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None) -> str:
+    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None,
+              copy: int = 0) -> str:
         opponent = self._begin_task(seed, opponent, seat)
         self._agent_card, self._opponent_card = kuhn_deal(self._seed)
         self._player = make_kuhn_opponent(opponent)

@@ -159,7 +159,8 @@ class MineSweeperEnv(TextEnv):
         self._done = False
 
     # -- protocol -------------------------------------------------------------------------------
-    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None) -> str:
+    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None,
+              copy: int = 0) -> str:
         if opponent is not None:
             raise ValueError(f"MineSweeper is a single-agent task; got opponent {opponent!r}")
         if seat not in (None, 0):

@@ -438,7 +438,8 @@ class SokobanEnv(TextEnv):
         self._seed: int | None = None
 
     # -- protocol -------------------------------------------------------------------------------
-    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None) -> str:
+    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None,
+              copy: int = 0) -> str:
         if opponent is not None:
             raise ValueError(f"Sokoban is a single-agent task; got opponent {opponent!r}")
         if seat not in (None, 0):

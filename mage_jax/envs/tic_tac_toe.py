@@ -7,11 +7,12 @@ inside the tags counts. Reward +10 for a win, -10 for a loss, 0 for a draw, at t
 ``info.score`` is reward / 10. Every agent turn counts, invalid ones included; after
 ``max_turns`` (8) turns an unfinished game ends with reward 0 (``info.extra["timeout"]``).
 
-The seed of a task instance fixes the randomness of a stochastic opponent (MCTS, random). The
-opponent's opening move, when it moves first, is part of the task instance: ``restart`` restores
-it. Later moves of a stochastic opponent keep drawing from its generator across restarts unless
-the environment is built with ``replayable_restarts=True``. ``opponent_seed`` decorrelates copies
-of one task (e.g. the G copies of a group) when the caller wants independent opponent noise.
+The opponent's opening move, when it moves first, is part of the task instance: a stochastic
+opponent (MCTS, random) draws it from a generator seeded by the task seed alone, so every copy of a
+group starts from the same position, and ``restart`` restores it. Its later moves come from a
+generator seeded by (task seed, copy index): the G copies of a group meet independent opponent
+noise, as in the reference, and each copy is still reproducible. They keep drawing from that
+generator across restarts unless the environment is built with ``replayable_restarts=True``.
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ def parse_cell(text: str) -> tuple[int | None, str]:
     return 3 * (row - 1) + (col - 1), ""
 
 
+def _stream_seed(*entropy: int) -> int:
+    """A well-mixed 32-bit seed of a task seed (and a copy index)."""
+    return int(np.random.SeedSequence(list(entropy)).generate_state(1)[0])
+
+
 def cell_text(cell: int) -> str:
     return f"({cell // 3 + 1}, {cell % 3 + 1})"
 
@@ -114,7 +120,6 @@ class TicTacToeEnv(TwoPlayerGameEnv):
         seat: int = 0,
         max_turns: int = 8,
         replayable_restarts: bool = False,
-        opponent_seed: int | None = None,
     ):
         check_seat(seat)
         make_tic_tac_toe_opponent(opponent, 0)  # fail early on an unknown name or missing OpenSpiel
@@ -124,16 +129,22 @@ class TicTacToeEnv(TwoPlayerGameEnv):
         self.default_opponent = opponent
         self.default_seat = seat
         self.replayable_restarts = replayable_restarts
-        self.opponent_seed = opponent_seed
         self._player: TicTacToePlayer | None = None
 
     # ----------------------------------------------------------------------------- task instance
-    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None) -> str:
+    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None,
+              copy: int = 0) -> str:
         self._opponent_name = self._begin_task(seed, opponent, seat)
-        salt = [] if self.opponent_seed is None else [int(self.opponent_seed)]
-        self._player_seed = int(np.random.SeedSequence([self._seed, *salt]).generate_state(1)[0])
+        if not isinstance(copy, (int, np.integer)) or copy < 0:
+            raise ValueError(f"copy must be a non-negative integer, got {copy!r}")
+        self._player_seed = _stream_seed(self._seed, int(copy))
         self._player = make_tic_tac_toe_opponent(self._opponent_name, self._player_seed)
-        self._opening = self._player.act([]) if self._seat == 1 else None
+        self._opening = None
+        if self._seat == 1:
+            opener = self._player
+            if opener.stochastic:  # the opening belongs to the task: drawn from the task seed alone
+                opener = make_tic_tac_toe_opponent(self._opponent_name, _stream_seed(self._seed))
+            self._opening = opener.act([])
         return self._restore()
 
     def restart(self) -> str:
@@ -141,8 +152,6 @@ class TicTacToeEnv(TwoPlayerGameEnv):
             raise RuntimeError("call reset(seed) before restart()")
         if self.replayable_restarts and self._player.stochastic:
             self._player = make_tic_tac_toe_opponent(self._opponent_name, self._player_seed)
-            if self._opening is not None:
-                self._player.act([])  # consume the opening draw exactly as at reset
         return self._restore()
 
     def _restore(self) -> str:

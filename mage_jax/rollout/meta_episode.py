@@ -206,7 +206,7 @@ class MetaEpisodeRunner:
         self._training = training
         states = []
         for task, env in zip(tasks, self._envs(len(tasks))):
-            observation = env.reset(task.seed, opponent=task.opponent, seat=task.seat)
+            observation = env.reset(task.seed, opponent=task.opponent, seat=task.seat, copy=task.copy)
             info = {"seed": task.seed, "opponent": task.opponent, "seat": task.seat, **dict(env.task_info)}
             states.append(
                 _MetaState(

@@ -53,6 +53,9 @@ class Task:
     seat: int | None
     group: int
     meta_episode: int
+    copy: int = 0
+    """Index of the meta-episode inside its group (0..G-1): seeds the opponent's own randomness, so
+    the copies of a group meet independent opponent noise from one identical initial state."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +207,7 @@ class TaskSampler:
                 seat=group_seats[b],
                 group=b,
                 meta_episode=b * G + g,
+                copy=g,
             )
             for b in range(B)
             for g in range(G)

@@ -17,6 +17,9 @@ from mage_jax.envs.tic_tac_toe import (
     tic_tac_toe_board,
     tic_tac_toe_winner,
 )
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.policy import ScriptedPolicy
+from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 
 DETERMINISTIC = (*PREFERRED_ORDERS,)
 STOCHASTIC = ("random", "mcts-100")
@@ -203,13 +206,39 @@ def test_stochastic_opponents_keep_their_randomness_across_restarts_unless_repla
     assert len(set(games)) == 1 and games[0] == continuing[0]  # same seed, same first episode
 
 
-def test_opponent_seed_decorrelates_copies_of_one_task():
-    games = set()
-    for copy in range(6):
-        env = TicTacToeEnv(opponent="random", seat=1, opponent_seed=copy)
-        env.reset(0)
-        games.add(_replay(env, 1)[0])
+@pytest.mark.parametrize("opponent", STOCHASTIC)
+def test_copies_of_a_task_share_the_opening_but_meet_independent_opponent_noise(opponent):
+    """The G copies of a group: same initial state (the opening included), own opponent stream."""
+    if opponent.startswith("mcts"):
+        pytest.importorskip("pyspiel")
+    openings, games = set(), set()
+    for copy in range(8):
+        env = TicTacToeEnv(opponent=opponent, seat=1)
+        openings.add(env.reset(3, copy=copy))
+        games.add(tuple(_replay(env, 2)))
+        again = TicTacToeEnv(opponent=opponent, seat=1)
+        again.reset(3, copy=copy)
+        assert tuple(_replay(again, 2)) in games  # one copy index always plays the same way
+    assert len(openings) == 1
     assert len(games) > 1
+
+
+def test_the_copies_of_a_training_group_start_alike_and_then_meet_different_moves():
+    """Through the runner: a group of 8 copies against the random player moving first, the agent
+    always taking the first legal cell. The first state is shared; the games are not."""
+    sampler = TaskSampler(TaskSamplerConfig(num_tasks=1, group_size=8, opponents={"random": 1.0},
+                                            seats="second"))
+    tasks = sampler.sample_train(0)
+    assert [t.copy for t in tasks] == list(range(8))
+    assert all(t.copy == 0 for t in sampler.sample_eval(3))
+    runner = MetaEpisodeRunner("tic_tac_toe", config=RunnerConfig(num_episodes=1, reflect=False,
+                                                                  constrained_actions=True))
+    rows = runner.run(tasks, ScriptedPolicy(lambda prompt: ""), training=True).rows
+    games: dict[int, list[str]] = {}
+    for row in sorted(rows, key=lambda r: (r.meta_episode, r.step)):
+        games.setdefault(row.meta_episode, []).append(row.anchor)
+    assert len({game[0] for game in games.values()}) == 1
+    assert len({tuple(game) for game in games.values()}) > 1
 
 
 def test_registry_prompt_spec_and_bad_configuration():

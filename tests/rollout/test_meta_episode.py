@@ -24,7 +24,7 @@ class GuessEnv(TextEnv):
         history_window=3,
     )
 
-    def reset(self, seed, *, opponent=None, seat=None):
+    def reset(self, seed, *, opponent=None, seat=None, copy=0):
         self.seed, self._opponent = seed, opponent
         return self.restart()
 

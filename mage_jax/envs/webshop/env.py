@@ -138,7 +138,8 @@ class WebShopEnv(TextEnv):
         self._page = _Page("search")
 
     # -- protocol -------------------------------------------------------------------------------
-    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None) -> str:
+    def reset(self, seed: int, *, opponent: str | None = None, seat: int | None = None,
+              copy: int = 0) -> str:
         if opponent is not None or seat not in (None, 0):
             raise ValueError(f"WebShop is a single-agent task; got opponent {opponent!r}, seat {seat!r}")
         self._seed = int(seed)
