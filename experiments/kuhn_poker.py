@@ -18,6 +18,8 @@ Design of the ``tiny`` preset (why it differs from the paper's Qwen3-4B recipe):
   outcome. Because every episode of a meta-episode replays the same deal against the same
   opponent, the previous outcome reveals what the opponent holds and how it plays: that is the
   information in-context adaptation must use.
+* The preamble says that every trial replays the same deal against the same opponent
+  (``env.options.trial_hint``; the reference prompt, used by ``small`` and ``paper``, does not).
 * Prompts use the ``compact`` style (terse, word-level tokenizable); play responses are constrained
   to the two legal strings ``<action>PASS</action>`` / ``<action>BET</action>`` (constrained decoding
   in the sampler, replayed in the log-prob recompute), so every row carries exactly one decision.
@@ -80,6 +82,7 @@ _MAGE_KUHN = {
 
 TINY = {
     **_MAGE_KUHN,
+    "env.options": {"trial_hint": True},
     "model.preset": "tiny",
     "model.overrides": {"hidden_size": 64, "intermediate_size": 192, "num_layers": 2, "num_heads": 4,
                         "num_kv_heads": 2, "head_dim": 16, "max_position_embeddings": 1024},

@@ -45,8 +45,10 @@ ENV = {
     "algorithm.anchor": "global",
 }
 
-TINY = tiny_overrides(max_prompt_tokens=1024, max_response_tokens=10, invalid_penalty=0.5,
-                      eval_meta_episodes=256, heldout_meta_episodes=128)
+# The tiny model is told that every trial starts alike (``trial_hint``); the reference prompt is not.
+TINY = {**tiny_overrides(max_prompt_tokens=1024, max_response_tokens=10, invalid_penalty=0.5,
+                         eval_meta_episodes=256, heldout_meta_episodes=128),
+        "env.options": {"trial_hint": True}}
 
 PRESETS = scale_presets(ENV, TINY, "tic_tac_toe")
 

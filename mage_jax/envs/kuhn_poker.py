@@ -35,12 +35,14 @@ from mage_jax.envs.two_player import TwoPlayerGameEnv, check_seat, preview
 __all__ = [
     "KUHN_HELD_OUT_OPPONENTS",
     "KUHN_PROMPT_SPEC",
+    "KUHN_TRIAL_HINT_PROMPT_SPEC",
     "KUHN_TRAINING_POOL",
     "KuhnPokerEnv",
     "kuhn_current_player",
     "kuhn_deal",
     "kuhn_is_terminal",
     "kuhn_observation",
+    "kuhn_prompt_spec",
     "kuhn_returns",
 ]
 
@@ -48,30 +50,45 @@ ACTION_TEXTS = ("PASS", "BET")
 REWARD_PER_CHIP = 5.0
 TERMINAL_HISTORIES = frozenset({"pp", "bp", "bb", "pbp", "pbb"})
 
-KUHN_PROMPT_SPEC = PromptSpec(
-    preamble=(
-        "You are playing Kuhn Poker against an opponent.\n"
-        "Rules: the deck has three cards, Jack < Queen < King. Each player puts 1 chip in the pot and "
-        "gets one card; you never see the opponent's card. Player 0 acts first, then the players "
-        "alternate. On your turn you choose PASS or BET. With no bet on the table, PASS checks and BET "
-        "adds 1 chip. Facing a bet, PASS folds (the bettor takes the pot) and BET calls by adding "
-        "1 chip. If both players check, or a bet is called, the higher card wins the pot. The winner "
-        "of a game takes 1 or 2 chips from the loser.\n"
-        "You may be Player 0 or Player 1: on your turn you are Player 0 if an even number of actions "
-        "has been taken, otherwise Player 1. Every trial replays the same deal (your card and the "
-        "opponent's card) against the same opponent, whose habits you can learn.\n"
-        "Goal: win the game, that is finish with a positive number of chips, and win as many chips "
-        "as possible.\n"
-        "Action format: <action>PASS</action> or <action>BET</action>."
-    ),
-    compact_preamble=(
-        "Kuhn poker. Cards Jack < Queen < King. You see only your card. Player 0 acts first. "
-        "PASS checks or folds. BET bets or calls. Higher card wins a showdown. "
-        "Same deal and opponent every trial. Win chips. Answer <action>PASS</action> or <action>BET</action>."
-    ),
-    action_format="<action>PASS</action> or <action>BET</action>",
-    history_window=7,
+_TRIAL_HINT = (
+    " Every trial replays the same deal (your card and the opponent's card) against the same "
+    "opponent, whose habits you can learn."
 )
+_COMPACT_TRIAL_HINT = "Same deal and opponent every trial. "
+
+
+def kuhn_prompt_spec(*, trial_hint: bool = False) -> PromptSpec:
+    """The Kuhn Poker prompt text; ``trial_hint`` adds the sentence that every trial replays the same
+    deal against the same opponent (not in the reference prompt; see ``KuhnPokerEnv``)."""
+    return PromptSpec(
+        preamble=(
+            "You are playing Kuhn Poker against an opponent.\n"
+            "Rules: the deck has three cards, Jack < Queen < King. Each player puts 1 chip in the pot and "
+            "gets one card; you never see the opponent's card. Player 0 acts first, then the players "
+            "alternate. On your turn you choose PASS or BET. With no bet on the table, PASS checks and BET "
+            "adds 1 chip. Facing a bet, PASS folds (the bettor takes the pot) and BET calls by adding "
+            "1 chip. If both players check, or a bet is called, the higher card wins the pot. The winner "
+            "of a game takes 1 or 2 chips from the loser.\n"
+            "You may be Player 0 or Player 1: on your turn you are Player 0 if an even number of actions "
+            f"has been taken, otherwise Player 1.{_TRIAL_HINT if trial_hint else ''}\n"
+            "Goal: win the game, that is finish with a positive number of chips, and win as many chips "
+            "as possible.\n"
+            "Action format: <action>PASS</action> or <action>BET</action>."
+        ),
+        compact_preamble=(
+            "Kuhn poker. Cards Jack < Queen < King. You see only your card. Player 0 acts first. "
+            "PASS checks or folds. BET bets or calls. Higher card wins a showdown. "
+            f"{_COMPACT_TRIAL_HINT if trial_hint else ''}"
+            "Win chips. Answer <action>PASS</action> or <action>BET</action>."
+        ),
+        action_format="<action>PASS</action> or <action>BET</action>",
+        history_window=7,
+    )
+
+
+KUHN_PROMPT_SPEC = kuhn_prompt_spec()
+"""The reference's information: rules, seat, goal and format, nothing about how trials relate."""
+KUHN_TRIAL_HINT_PROMPT_SPEC = kuhn_prompt_spec(trial_hint=True)
 
 
 def kuhn_deal(seed: int) -> tuple[int, int]:
@@ -121,11 +138,16 @@ class KuhnPokerEnv(TwoPlayerGameEnv):
 
     The observation after the game ends also states the result (chips won or lost), which the
     trajectory shown in reflect prompts needs; it still never reveals the opponent's card.
+
+    ``trial_hint=True`` tells the agent in the preamble that every trial replays the same deal against
+    the same opponent. The reference prompt does not say so, and a pretrained model acts differently
+    when told, so it is off by default (the ``small`` and ``paper`` presets). The ``tiny`` preset
+    turns it on: its from-scratch model reads the same compact prompt it was designed with.
     """
 
     reward_scale: ClassVar[float] = REWARD_PER_CHIP
     max_turns: int = 6
-    prompt_spec: ClassVar[PromptSpec] = KUHN_PROMPT_SPEC
+    prompt_spec: PromptSpec = KUHN_PROMPT_SPEC
     opponent_pool: ClassVar[dict[str, float]] = dict(KUHN_TRAINING_POOL)
     held_out_opponents: ClassVar[tuple[str, ...]] = KUHN_HELD_OUT_OPPONENTS
     opponent_names: ClassVar[tuple[str, ...]] = KUHN_OPPONENTS
@@ -137,6 +159,7 @@ class KuhnPokerEnv(TwoPlayerGameEnv):
         seat: int = 0,
         max_turns: int = 6,
         replayable_restarts: bool = False,
+        trial_hint: bool = False,
     ):
         self._check_opponent(opponent)
         check_seat(seat)
@@ -145,6 +168,7 @@ class KuhnPokerEnv(TwoPlayerGameEnv):
         self.max_turns = int(max_turns)
         self.default_opponent = opponent
         self.default_seat = seat
+        self.prompt_spec = KUHN_TRIAL_HINT_PROMPT_SPEC if trial_hint else KUHN_PROMPT_SPEC
         # Every Kuhn opponent is deterministic, so restarts are always replayable; the option exists
         # for a uniform environment interface.
         self.replayable_restarts = replayable_restarts

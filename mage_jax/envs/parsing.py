@@ -61,7 +61,7 @@ def extract_tagged(text: str, tag: str) -> str | None:
 
 
 def extract_action(response: str) -> str | None:
-    """The answer's ``<action>...</action>`` text (rule in the module docstring), or None (an invalid turn)."""
+    """The answer's ``<action>...</action>`` text (rule in the module docstring); None: an invalid turn."""
     if not isinstance(response, str):
         return None
     return extract_tagged(strip_thinking(response), "action")

@@ -36,9 +36,11 @@ __all__ = [
     "TIC_TAC_TOE_HELD_OUT_OPPONENTS",
     "TIC_TAC_TOE_PROMPT_SPEC",
     "TIC_TAC_TOE_TRAINING_POOL",
+    "TIC_TAC_TOE_TRIAL_HINT_PROMPT_SPEC",
     "TicTacToeEnv",
     "parse_cell",
     "tic_tac_toe_board",
+    "tic_tac_toe_prompt_spec",
     "tic_tac_toe_winner",
 ]
 
@@ -46,25 +48,39 @@ WIN_REWARD = 10.0
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 """Rows, columns and diagonals."""
 
-TIC_TAC_TOE_PROMPT_SPEC = PromptSpec(
-    preamble=(
-        "You are playing Tic-Tac-Toe as X against an opponent who plays O.\n"
-        "Rules: the board has 3 rows and 3 columns, shown as three lines where '.' is an empty cell. "
-        "The players take turns marking one empty cell. Three of your marks in a row, a column or a "
-        "diagonal win the game; a full board without such a line is a draw. You may move first or "
-        "second; you are X either way. Every trial starts from the same position against the same "
-        "opponent, whose habits you can learn.\n"
-        "Goal: win the game; a draw is better than a loss.\n"
-        "Action format: <action>(row, col)</action> with row and col from 1 to 3 counted from the top "
-        "left, for example <action>(2, 2)</action> for the centre. The cell must be empty."
-    ),
-    compact_preamble=(
-        "Tic tac toe. You are X, opponent is O, . is empty. Three in a line wins, full board draws. "
-        "Same start and opponent every trial. Answer <action>(row, col)</action>, row and col 1 to 3."
-    ),
-    action_format="<action>(row, col)</action> with row and col from 1 to 3",
-    history_window=7,
+_TRIAL_HINT = (
+    " Every trial starts from the same position against the same opponent, whose habits you can learn."
 )
+_COMPACT_TRIAL_HINT = "Same start and opponent every trial. "
+
+
+def tic_tac_toe_prompt_spec(*, trial_hint: bool = False) -> PromptSpec:
+    """The Tic-Tac-Toe prompt text; ``trial_hint`` adds the sentence that every trial starts from the
+    same position against the same opponent (not in the reference prompt; see ``TicTacToeEnv``)."""
+    return PromptSpec(
+        preamble=(
+            "You are playing Tic-Tac-Toe as X against an opponent who plays O.\n"
+            "Rules: the board has 3 rows and 3 columns, shown as three lines where '.' is an empty cell. "
+            "The players take turns marking one empty cell. Three of your marks in a row, a column or a "
+            "diagonal win the game; a full board without such a line is a draw. You may move first or "
+            f"second; you are X either way.{_TRIAL_HINT if trial_hint else ''}\n"
+            "Goal: win the game; a draw is better than a loss.\n"
+            "Action format: <action>(row, col)</action> with row and col from 1 to 3 counted from the top "
+            "left, for example <action>(2, 2)</action> for the centre. The cell must be empty."
+        ),
+        compact_preamble=(
+            "Tic tac toe. You are X, opponent is O, . is empty. Three in a line wins, full board draws. "
+            f"{_COMPACT_TRIAL_HINT if trial_hint else ''}"
+            "Answer <action>(row, col)</action>, row and col 1 to 3."
+        ),
+        action_format="<action>(row, col)</action> with row and col from 1 to 3",
+        history_window=7,
+    )
+
+
+TIC_TAC_TOE_PROMPT_SPEC = tic_tac_toe_prompt_spec()
+"""The reference's information: rules, marks, goal and format, nothing about how trials relate."""
+TIC_TAC_TOE_TRIAL_HINT_PROMPT_SPEC = tic_tac_toe_prompt_spec(trial_hint=True)
 
 
 def tic_tac_toe_winner(moves: Sequence[int]) -> int | None:
@@ -106,10 +122,16 @@ def cell_text(cell: int) -> str:
 
 @register_env("tic_tac_toe")
 class TicTacToeEnv(TwoPlayerGameEnv):
-    """One meta-episode of Tic-Tac-Toe against a fixed opponent and seat."""
+    """One meta-episode of Tic-Tac-Toe against a fixed opponent and seat.
+
+    ``trial_hint=True`` tells the agent in the preamble that every trial starts from the same position
+    against the same opponent. The reference prompt does not say so, and a pretrained model acts
+    differently when told, so it is off by default (the ``small`` and ``paper`` presets); the ``tiny``
+    preset turns it on for its from-scratch model.
+    """
 
     max_turns: int = 8
-    prompt_spec: ClassVar[PromptSpec] = TIC_TAC_TOE_PROMPT_SPEC
+    prompt_spec: PromptSpec = TIC_TAC_TOE_PROMPT_SPEC
     opponent_pool: ClassVar[dict[str, float]] = dict(TIC_TAC_TOE_TRAINING_POOL)
     held_out_opponents: ClassVar[tuple[str, ...]] = TIC_TAC_TOE_HELD_OUT_OPPONENTS
 
@@ -120,6 +142,7 @@ class TicTacToeEnv(TwoPlayerGameEnv):
         seat: int = 0,
         max_turns: int = 8,
         replayable_restarts: bool = False,
+        trial_hint: bool = False,
     ):
         check_seat(seat)
         make_tic_tac_toe_opponent(opponent, 0)  # fail early on an unknown name or missing OpenSpiel
@@ -129,6 +152,7 @@ class TicTacToeEnv(TwoPlayerGameEnv):
         self.default_opponent = opponent
         self.default_seat = seat
         self.replayable_restarts = replayable_restarts
+        self.prompt_spec = TIC_TAC_TOE_TRIAL_HINT_PROMPT_SPEC if trial_hint else TIC_TAC_TOE_PROMPT_SPEC
         self._player: TicTacToePlayer | None = None
 
     # ----------------------------------------------------------------------------- task instance

@@ -239,3 +239,20 @@ def test_bad_configuration_gets_one_clear_error():
         env.reset(-1)
     with pytest.raises(RuntimeError, match="reset"):
         env.step("<action>BET</action>")
+
+
+def test_the_reference_prompt_is_the_default_and_the_trial_hint_an_option():
+    """The reference prompt does not say that trials replay one deal and opponent; the tiny preset
+    (a from-scratch model) opts into that sentence, the pretrained presets do not."""
+    from experiments.presets import environment
+
+    hint = "Every trial replays the same deal"
+    assert hint not in KuhnPokerEnv().prompt_spec.preamble
+    assert "Same deal" not in KuhnPokerEnv().prompt_spec.compact_preamble
+    hinted = make_env("kuhn_poker", trial_hint=True).prompt_spec
+    assert hint in hinted.preamble and "Same deal and opponent every trial" in hinted.compact_preamble
+    kuhn = environment("kuhn_poker")
+    assert kuhn.config("tiny", check_paths=False).env.options == {"trial_hint": True}
+    for preset in ("small", "paper"):
+        cfg = kuhn.config(preset, {"model.path": "/models/qwen3"}, check_paths=False)
+        assert not cfg.env.options.get("trial_hint", False)

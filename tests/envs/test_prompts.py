@@ -170,7 +170,13 @@ def _script(name: str, env) -> tuple[list[str], list[str]]:
     )
 
 
-def _scenario(name: str):
+# Compact prompts are the tiny presets' (the games' trial hint on); full prompts are the pretrained
+# presets' (the reference wording, no hint).
+GOLDEN_ENV_OPTIONS = {("kuhn_poker", "compact"): {"trial_hint": True},
+                      ("tic_tac_toe", "compact"): {"trial_hint": True}}
+
+
+def _scenario(name: str, style: str = "full"):
     from mage_jax.envs import make_env, registered_envs
 
     if name not in registered_envs():
@@ -179,7 +185,7 @@ def _scenario(name: str):
         "kuhn_poker": {"opponent": "intermediate", "seat": 0},  # seed 5: Queen against King
         "tic_tac_toe": {"opponent": "preferred-1", "seat": 0},
     }.get(name, {})
-    env = make_env(name)
+    env = make_env(name, **GOLDEN_ENV_OPTIONS.get((name, style), {}))
     initial = env.reset(5, **reset_kwargs)
     first, second = _script(name, env)
     moves = []
@@ -213,7 +219,7 @@ def _check_golden(filename: str, text: str) -> None:
 @pytest.mark.parametrize("style", ["full", "compact"])
 @pytest.mark.parametrize("name", GOLDEN_ENVS)
 def test_golden_prompts(name, style):
-    spec, initial, record, current, privileged = _scenario(name)
+    spec, initial, record, current, privileged = _scenario(name, style)
     for mode in MEMORY_MODES:
         text = render_play_prompt(spec, initial, [record], 1, current, memory_mode=mode, style=style)
         _check_golden(f"{name}__play__{mode}__{style}.txt", text)

@@ -252,3 +252,18 @@ def test_registry_prompt_spec_and_bad_configuration():
         TicTacToeEnv(opponent="minimax")
     with pytest.raises(ValueError, match="seat"):
         TicTacToeEnv(seat=3)
+
+
+def test_the_reference_prompt_is_the_default_and_the_trial_hint_an_option():
+    from experiments.presets import environment
+
+    hint = "Every trial starts from the same position"
+    assert hint not in TicTacToeEnv().prompt_spec.preamble
+    assert "Same start" not in TicTacToeEnv().prompt_spec.compact_preamble
+    hinted = make_env("tic_tac_toe", trial_hint=True).prompt_spec
+    assert hint in hinted.preamble and "Same start and opponent every trial" in hinted.compact_preamble
+    ttt = environment("tic_tac_toe")
+    assert ttt.config("tiny", check_paths=False).env.options == {"trial_hint": True}
+    for preset in ("small", "paper"):
+        cfg = ttt.config(preset, {"model.path": "/models/qwen3"}, check_paths=False)
+        assert not cfg.env.options.get("trial_hint", False)
