@@ -337,3 +337,22 @@ def test_the_runner_drives_every_built_in_game_with_consistent_rows_and_outcomes
         assert sum(r.phase == "reflect" for r in rows) == outcome.episodes_run - 1
         assert outcome.episodes_run == 3 or outcome.won[-1]
         assert not any(outcome.won[:-1])
+
+
+def test_play_and_reflection_anchors_name_the_opponent():
+    """Agent-specific normalisation (spec section 6): equal states met by different opponents are
+    never pooled, in play rows and in reflection rows."""
+    tasks = [Task(seed=4, opponent=name, seat=None, group=g, meta_episode=g)
+             for g, name in enumerate(("bot", "rival"))]
+    result = runner(num_episodes=2).run(tasks, scripted(wins_at({})), training=True)
+    first_play = {r.opponent: r.anchor for r in result.rows if r.phase == "play" and r.step == 0}
+    reflection = {r.opponent: r.anchor for r in result.rows if r.phase == "reflect"}
+    for anchors in (first_play, reflection):
+        assert anchors["bot"] != anchors["rival"]
+        assert "bot" in anchors["bot"] and "rival" in anchors["rival"]
+
+
+def test_a_stored_reflection_is_capped_at_2000_characters():
+    policy = scripted(wins_at({}), remark=lambda p: "<remark>" + "x" * 5000 + "</remark>")
+    result = runner(num_episodes=2).run(tasks_for([5]), policy, training=True)
+    assert result.outcomes[0].reflections == ["x" * 2000]

@@ -161,3 +161,21 @@ def test_lr_decay_runs_from_one_to_the_end_fraction():
     assert lr_decay("cosine", 1.0, 0.05) == pytest.approx(0.05)
     with pytest.raises(ValueError, match="unknown learning-rate decay"):
         lr_decay("step", 0.5)
+
+
+def test_the_entropy_bonus_is_subtracted_from_the_loss_and_raises_entropy(model):
+    """With zero advantages and no KL the loss is exactly -entropy_coef x entropy, and descending it
+    makes the policy more random (a flipped sign would make it sharper)."""
+    _, _, _, params = model
+    step = make_step(model, entropy_coef=0.5)
+    state = step.init_state(jax.tree.map(jnp.copy, params))
+    b = batch()
+    old = np.asarray(step.compute_logprobs(state.params, step.place_batch(b)))
+    b.update(old_logprobs=old, advantages=np.zeros(R, np.float32))
+    entropies = []
+    for _ in range(4):
+        state, metrics = step.update(state, step.place_batch(b))
+        assert float(metrics["policy_loss"]) == 0.0
+        assert float(metrics["loss"]) == pytest.approx(-0.5 * float(metrics["entropy"]), rel=1e-6)
+        entropies.append(float(metrics["entropy"]))
+    assert entropies[-1] > entropies[0]
