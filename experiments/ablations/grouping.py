@@ -21,8 +21,8 @@ ABLATION = Ablation(
     title="Opponent grouping",
     variants=lambda env: [Variant(g, {"env.grouping": g}) for g in ("stationary", "mixed")],
     variant_names=("stationary", "mixed"),
-    paper={"stationary": "0.672", "mixed": "0.547"},
-    paper_note="stationary vs mixed grouping 67.2 vs 54.7 (Qwen3-4B)",
+    paper={"stationary": "0.672 (Tic-Tac-Toe)", "mixed": "0.547 (Tic-Tac-Toe)"},
+    paper_note="stationary vs mixed grouping on Tic-Tac-Toe 67.2 vs 54.7 (Qwen3-4B)",
 )
 
 main = ABLATION.main

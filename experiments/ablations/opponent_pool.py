@@ -56,8 +56,8 @@ ABLATION = Ablation(
     title="Opponent pool (evaluated on the balanced pool)",
     variants=variants,
     variant_names=("balanced", "pattern_skewed", "single_fixed"),
-    paper={"balanced": "0.672", "pattern_skewed": "0.578"},
-    paper_note="balanced vs pattern-skewed pool 67.2 vs 57.8 (Qwen3-4B)",
+    paper={"balanced": "0.672 (Tic-Tac-Toe)", "pattern_skewed": "0.578 (Tic-Tac-Toe)"},
+    paper_note="balanced vs pattern-skewed pool on Tic-Tac-Toe 67.2 vs 57.8 (Qwen3-4B)",
 )
 
 main = ABLATION.main
