@@ -256,3 +256,10 @@ def test_the_reference_prompt_is_the_default_and_the_trial_hint_an_option():
     for preset in ("small", "paper"):
         cfg = kuhn.config(preset, {"model.path": "/models/qwen3"}, check_paths=False)
         assert not cfg.env.options.get("trial_hint", False)
+
+
+def test_a_thinking_response_plays_its_final_answer_not_the_tags_it_considered():
+    env = KuhnPokerEnv(opponent="conservative", seat=0)
+    env.reset(5)
+    result = env.step("<think>Bet? <action>BET</action> is risky.</think>\n<action>PASS</action>")
+    assert result.action == "PASS" and env.history.startswith("p")
