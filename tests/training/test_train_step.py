@@ -163,19 +163,16 @@ def test_lr_decay_runs_from_one_to_the_end_fraction():
         lr_decay("step", 0.5)
 
 
-def test_the_entropy_bonus_is_subtracted_from_the_loss_and_raises_entropy(model):
-    """With zero advantages and no KL the loss is exactly -entropy_coef x entropy, and descending it
-    makes the policy more random (a flipped sign would make it sharper)."""
+def test_the_entropy_bonus_is_subtracted_from_the_loss(model, step):
+    """With zero advantages, before the policy moves from the KL reference, the loss the update
+    descends is exactly -entropy_coef x entropy: a bonus (a flipped sign would punish entropy)."""
     _, _, _, params = model
-    step = make_step(model, entropy_coef=0.5)
     state = step.init_state(jax.tree.map(jnp.copy, params))
     b = batch()
     old = np.asarray(step.compute_logprobs(state.params, step.place_batch(b)))
-    b.update(old_logprobs=old, advantages=np.zeros(R, np.float32))
-    entropies = []
-    for _ in range(4):
-        state, metrics = step.update(state, step.place_batch(b))
-        assert float(metrics["policy_loss"]) == 0.0
-        assert float(metrics["loss"]) == pytest.approx(-0.5 * float(metrics["entropy"]), rel=1e-6)
-        entropies.append(float(metrics["entropy"]))
-    assert entropies[-1] > entropies[0]
+    b.update(old_logprobs=old, ref_logprobs=old, advantages=np.zeros(R, np.float32))
+    _, metrics = step.update(state, step.place_batch(b))
+    assert float(metrics["policy_loss"]) == 0.0 and float(metrics["kl_loss"]) == 0.0
+    assert float(metrics["entropy"]) > 0.1
+    assert step.config.entropy_coef == 0.001
+    assert float(metrics["loss"]) == pytest.approx(-0.001 * float(metrics["entropy"]), rel=1e-5)
