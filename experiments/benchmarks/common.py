@@ -1,14 +1,20 @@
 """What the benchmarks share: the command line of a lockstep batch of meta-episodes, its restart and
-step phases, rounded means, the machine description, and the JSON report printed and written to ``--out``."""
+step phases, rounded means, the machine description, and the JSON report printed and written to ``--out``.
+
+The model benchmarks (ours against PyTorch) also share the random Qwen3 shapes, the thread pinning that
+gives both runtimes the same CPUs, min/median/max summaries, the load average and a measured f32 matmul
+peak, so that a ratio states the conditions it was measured under."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +113,110 @@ def write_report(report: dict[str, Any], out: str | Path) -> dict[str, Any]:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n", encoding="utf-8")
     return report
+
+
+# ---------------------------------------------------------------------------- model benchmarks
+QWEN3_SHAPES = {
+    # The 27.3M-parameter Qwen3 both model benchmarks compare on (tied embeddings).
+    "27m": dict(
+        vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
+    # A few-thousand-parameter stand-in for the entry-point smoke tests.
+    "tiny": dict(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def build_hf_checkpoint(folder: str, shape: dict[str, Any], seed: int) -> Any:
+    """A random Qwen3 model saved to ``folder`` as safetensors (our loader reads it back, so both sides
+    run identical weights); returns the torch model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**shape))
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+@contextlib.contextmanager
+def pinned_threads(threads: int) -> Iterator[dict[str, Any]]:
+    """Run both runtimes on the same ``threads`` CPUs (0: leave the process as it is).
+
+    The process is pinned to the first ``threads`` CPUs (as ``taskset`` would); XLA sizes its thread
+    pool from that affinity when its backend starts, so the pin only binds XLA if no JAX computation ran
+    before (a fresh ``python -m`` process). With one thread XLA's Eigen pool is switched off outright.
+    PyTorch gets ``torch.set_num_threads(threads)``. The affinity is restored on exit. Yields what was
+    applied, for the report."""
+    before = os.sched_getaffinity(0)
+    info: dict[str, Any] = {"threads": threads, "cpus": sorted(before)}
+    if threads > 0:
+        cpus = sorted(before)[:threads]
+        if len(cpus) < threads:
+            raise SystemExit(f"--threads {threads}: only {len(before)} CPUs are available to this process")
+        os.sched_setaffinity(0, cpus)
+        if threads == 1 and "--xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
+            flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+        import torch
+
+        torch.set_num_threads(threads)
+        info["cpus"] = cpus
+    info["xla_backend_started_before_pin"] = _jax_backend_started()
+    info["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    try:
+        yield info
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _jax_backend_started() -> bool:
+    import sys
+
+    xb = sys.modules.get("jax._src.xla_bridge")
+    return bool(xb is not None and getattr(xb, "_backends", None))
+
+
+def spread(times: Sequence[float]) -> dict[str, float]:
+    """min / median / max of a list of measurements (seconds or rates), rounded to 4 digits."""
+    return {
+        "min": round(min(times), 4),
+        "median": round(statistics.median(times), 4),
+        "max": round(max(times), 4),
+    }
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def matmul_peak(size: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """Best-of-``repeats`` f32 ``size x size`` matmul GFLOP/s of ``jnp.dot`` and ``torch.mm`` on the
+    threads the benchmark runs with: the peak that achieved GFLOP/s are a fraction of."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    host = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
+    a = jnp.asarray(host)
+    dot = jax.jit(jnp.dot)
+    dot(a, a).block_until_ready()
+    t = torch.from_numpy(host)
+    torch.mm(t, t)
+    flops = 2.0 * size**3
+    best_jax = best_torch = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dot(a, a).block_until_ready()
+        best_jax = min(best_jax, time.perf_counter() - start)
+        start = time.perf_counter()
+        torch.mm(t, t)
+        best_torch = min(best_torch, time.perf_counter() - start)
+    return {"size": size, "jax_gflops": round(flops / best_jax / 1e9, 1),
+            "torch_gflops": round(flops / best_torch / 1e9, 1)}
