@@ -151,28 +151,37 @@ def pinned_threads(threads: int) -> Iterator[dict[str, Any]]:
     The process is pinned to the first ``threads`` CPUs (as ``taskset`` would); XLA sizes its thread
     pool from that affinity when its backend starts, so the pin only binds XLA if no JAX computation ran
     before (a fresh ``python -m`` process). With one thread XLA's Eigen pool is switched off outright.
-    PyTorch gets ``torch.set_num_threads(threads)``. The affinity is restored on exit. Yields what was
+    PyTorch gets ``torch.set_num_threads(threads)``. Affinity, flags and torch threads are restored on
+    exit. Yields what was
     applied, for the report."""
+    import torch
+
     before = os.sched_getaffinity(0)
+    flags_before = os.environ.get("XLA_FLAGS")
+    torch_before = torch.get_num_threads()
     info: dict[str, Any] = {"threads": threads, "cpus": sorted(before)}
     if threads > 0:
         cpus = sorted(before)[:threads]
         if len(cpus) < threads:
             raise SystemExit(f"--threads {threads}: only {len(before)} CPUs are available to this process")
         os.sched_setaffinity(0, cpus)
-        if threads == 1 and "--xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
+        if threads == 1 and "--xla_cpu_multi_thread_eigen" not in (flags_before or ""):
             flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
-        import torch
-
+            os.environ["XLA_FLAGS"] = f"{flags_before or ''} {flags}".strip()
         torch.set_num_threads(threads)
         info["cpus"] = cpus
     info["xla_backend_started_before_pin"] = _jax_backend_started()
     info["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    info["torch_threads"] = torch.get_num_threads()
     try:
         yield info
     finally:
         os.sched_setaffinity(0, before)
+        torch.set_num_threads(torch_before)
+        if flags_before is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = flags_before
 
 
 def _jax_backend_started() -> bool:

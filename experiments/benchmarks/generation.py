@@ -1,68 +1,47 @@
 """Generation throughput: our jitted sampler against Hugging Face ``generate`` (PyTorch) on the same weights.
 
-    python -m experiments.benchmarks.generation [--out runs/benchmarks/generation.json] [--repeats 3]
+    python -m experiments.benchmarks.generation [--threads 1] [--repeats 3]
+        [--out runs/benchmarks/generation.json]
 
-A random Qwen3-architecture model (about 25M parameters) is built with ``transformers``, saved as a
-local safetensors folder and loaded into our decoder, so both sides run identical weights. Both
-sample (temperature 1, no top-k / top-p) ``--new-tokens`` tokens for ``--batch`` prompts of
-``--prompt-len`` tokens. Each side is warmed up first (our compile time is reported separately, never
-counted), then timed ``--repeats`` times; the median wall time gives new tokens per second. PyTorch
-runs under ``torch.inference_mode`` with as many threads as XLA uses (the CPU count). The EOS id is
-one the prompts never use; rows that happen to sample it stop early on our side only, which makes our
-count conservative. Prints JSON and writes it to ``--out``.
+A random Qwen3 (``--shape 27m``: 27.3M parameters) is built with ``transformers``, saved as a local
+safetensors folder and loaded into our decoder, so both sides run identical weights. Both sample
+(temperature 1, no top-k / top-p) for ``--batch`` prompts of ``--prompt-len`` random tokens, no padding.
+
+Fairness: both runtimes run on the same ``--threads`` CPUs (``common.pinned_threads``; on a shared
+machine also start the process under ``taskset``), since PyTorch's OpenMP degrades far more than XLA
+when its threads compete with other processes. Each side is warmed up first (our compile time is
+reported separately, never counted). Then, ``--repeats`` times and alternating between the sides, each
+runs the full call (``--new-tokens`` tokens, HF forced by ``min_new_tokens``) and the prefill call (one
+new token). Decode tokens/s is ``batch * (new_tokens - 1) / (full - prefill)``. Each quantity is given as
+min / median / max, the ratio per repeat, with the load average before and after. The EOS id is one the
+prompts never use; rows that happen to sample it stop early on our side only (our count is the smaller).
+Prints JSON and writes it to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import statistics
+import dataclasses
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from experiments.benchmarks.common import write_report
-
-MODEL = dict(
-    vocab_size=16384,
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=6,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
+from experiments.benchmarks.common import (
+    QWEN3_SHAPES,
+    build_hf_checkpoint,
+    load_average,
+    machine,
+    pinned_threads,
+    spread,
+    write_report,
 )
 
 
-def build_checkpoint(folder: str, seed: int) -> Any:
-    """A random Qwen3 model saved to ``folder``; returns the torch model."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.Qwen3Config(**MODEL)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(folder, safe_serialization=True)
-    return model
-
-
-def time_it(fn, repeats: int) -> tuple[float, list[float]]:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), times
-
-
-def bench_ours(folder: str, prompts: list[list[int]], new_tokens: int, repeats: int, dtype: str, eos: int):
-    import dataclasses
-
+def build_ours(folder: str, prompts: list[list[int]], dtype: str, eos: int, seed: int):
+    """A function ``new_tokens -> tokens generated`` running our sampler, and facts for the report."""
     import jax
 
     from mage_jax.models.config import ModelConfig
@@ -71,116 +50,134 @@ def bench_ours(folder: str, prompts: list[list[int]], new_tokens: int, repeats: 
 
     config = dataclasses.replace(ModelConfig.from_hf_dir(folder), param_dtype=dtype, dtype=dtype)
     config, graphdef, state = load_hf_params(folder, config)
-    sampler = Sampler(
-        graphdef,
-        config,
-        eos_ids=[eos],
-        pad_id=0,
-        prompt_buckets=(len(prompts[0]),),
-        batch_buckets=(len(prompts),),
-    )
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
-    keys = iter(jax.random.split(jax.random.key(0), repeats + 1))
-    counts: list[int] = []
+    sampler = Sampler(graphdef, config, eos_ids=[eos], pad_id=0, prompt_buckets=(len(prompts[0]),),
+                      batch_buckets=(len(prompts),))
+    keys = [jax.random.key(seed)]
 
-    def run():
-        out = sampler.generate(state, prompts, params, next(keys))
-        counts.append(sum(len(t) for t in out.tokens))
+    def run(new_tokens: int) -> int:
+        keys[0], key = jax.random.split(keys[0])
+        params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+        out = sampler.generate(state, prompts, params, key)
+        return sum(len(t) for t in out.tokens)
 
-    start = time.perf_counter()
-    run()
-    warmup = time.perf_counter() - start
-    median, times = time_it(run, repeats)
-    tokens = min(counts[1:])
-    return {
-        "tokens_per_s": tokens / median,
-        "median_s": median,
-        "times_s": times,
-        "new_tokens": tokens,
-        "warmup_incl_compile_s": warmup,
-        "compile_count": sampler.compile_count,
-        "dtype": dtype,
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-    }
+    facts = {"dtype": dtype, "jax": jax.__version__, "backend": jax.default_backend()}
+    return run, sampler, facts
 
 
-def bench_hf(model: Any, prompts: list[list[int]], new_tokens: int, repeats: int, dtype: str, threads: int):
+def build_hf(model: Any, prompts: list[list[int]], dtype: str):
     import torch
 
-    torch.set_num_threads(threads)
-    model = model.to(getattr(torch, dtype))
+    model = model.to(getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts, dtype=torch.long)
     mask = torch.ones_like(ids)
 
-    def run():
+    def run(new_tokens: int) -> int:
         with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0,
+                                 top_p=1.0, pad_token_id=0, eos_token_id=None)
         assert out.shape[1] == ids.shape[1] + new_tokens
+        return len(prompts) * new_tokens
 
-    run()
-    median, times = time_it(run, repeats)
-    tokens = len(prompts) * new_tokens
+    facts = {"dtype": dtype, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return run, facts
+
+
+def timed(fn: Callable[[int], int], new_tokens: int) -> tuple[float, int]:
+    start = time.perf_counter()
+    count = fn(new_tokens)
+    return time.perf_counter() - start, count
+
+
+def summarize(full: list[float], prefill: list[float], counts: list[int], batch: int, new_tokens: int):
+    decode_s = [f - p for f, p in zip(full, prefill, strict=True) if f > p]  # noise can invert tiny runs
     return {
-        "tokens_per_s": tokens / median,
-        "median_s": median,
-        "times_s": times,
-        "new_tokens": tokens,
-        "dtype": dtype,
-        "threads": threads,
-        "torch": torch.__version__,
+        "end_to_end_s": spread(full),
+        "end_to_end_tokens_per_s": spread([c / f for c, f in zip(counts, full, strict=True)]),
+        "prefill_s": spread(prefill),
+        "decode_tokens_per_s": spread([batch * (new_tokens - 1) / d for d in decode_s]) if decode_s else None,
+        "new_tokens": min(counts),
+        "times_s": {"full": [round(t, 4) for t in full], "prefill": [round(t, 4) for t in prefill]},
     }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="27m", choices=sorted(QWEN3_SHAPES))
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"), help="our compute dtype"
-    )
+    parser.add_argument("--threads", type=int, default=1, help="CPUs for each side (0: leave as is)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="our compute dtype")
     parser.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/benchmarks/generation.json")
     args = parser.parse_args(argv)
+    if min(args.batch, args.prompt_len, args.repeats) < 1 or args.new_tokens < 2 or args.threads < 0:
+        parser.error("--batch, --prompt-len, --repeats must be positive, --new-tokens >= 2, --threads >= 0")
 
-    threads = os.cpu_count() or 1
-    rng = np.random.default_rng(args.seed)
-    eos = MODEL["vocab_size"] - 1
-    prompts = rng.integers(1, eos, size=(args.batch, args.prompt_len)).tolist()
-    with tempfile.TemporaryDirectory() as folder:
-        hf_model = build_checkpoint(folder, args.seed)
-        ours = bench_ours(folder, prompts, args.new_tokens, args.repeats, args.dtype, eos)
-    hf = bench_hf(hf_model, prompts, args.new_tokens, args.repeats, args.hf_dtype, threads)
-    n_params = sum(p.numel() for p in hf_model.parameters())
-    result = {
+    shape = QWEN3_SHAPES[args.shape]
+    eos = shape["vocab_size"] - 1
+    prompts = np.random.default_rng(args.seed).integers(1, eos, size=(args.batch, args.prompt_len)).tolist()
+    load_before = load_average()
+    with pinned_threads(args.threads) as threads, tempfile.TemporaryDirectory() as folder:
+        hf_model = build_hf_checkpoint(folder, shape, args.seed)
+        ours, sampler, our_facts = build_ours(folder, prompts, args.dtype, eos, args.seed)
+        hf, hf_facts = build_hf(hf_model, prompts, args.hf_dtype)
+        start = time.perf_counter()
+        ours(args.new_tokens)
+        ours(1)
+        warmup = time.perf_counter() - start
+        hf(args.new_tokens)
+        hf(1)
+        runs: dict[str, dict[str, list]] = {
+            side: {"full": [], "prefill": [], "counts": []} for side in ("ours", "hf")
+        }
+        for _ in range(args.repeats):
+            for side, fn in (("ours", ours), ("hf", hf)):
+                seconds, count = timed(fn, args.new_tokens)
+                runs[side]["full"].append(seconds)
+                runs[side]["counts"].append(count)
+                runs[side]["prefill"].append(timed(fn, 1)[0])
+    summary = {side: summarize(r["full"], r["prefill"], r["counts"], args.batch, args.new_tokens)
+               for side, r in runs.items()}
+    ours_r, hf_r = runs["ours"], runs["hf"]
+
+    def ratio(ours_rate: Callable[[int], float], hf_rate: Callable[[int], float]) -> dict[str, float] | None:
+        values = [ours_rate(i) / hf_rate(i) for i in range(args.repeats)]
+        values = [v for v in values if 0 < v < float("inf")]
+        return spread(values) if values else None
+
+    def decode(r: dict[str, list]) -> Callable[[int], float]:
+        return lambda i: 1.0 / d if (d := r["full"][i] - r["prefill"][i]) > 0 else float("inf")
+
+    report = {
         "benchmark": "generation",
-        "model": {"architecture": "qwen3", "parameters": int(n_params), **MODEL},
+        "command": "python -m experiments.benchmarks.generation",
+        "model": {"architecture": "qwen3", "parameters": int(sum(p.numel() for p in hf_model.parameters())),
+                  **shape},
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
-        "ours": ours,
-        "hf": hf,
-        "ratio": ours["tokens_per_s"] / hf["tokens_per_s"],
-        "cpu_count": threads,
-        "machine": platform.processor() or platform.machine(),
-        "load_avg_1m": os.getloadavg()[0],
+        "repeats": args.repeats,
+        "order": "interleaved",
+        "threads": threads,
+        "ours": {**summary["ours"], "warmup_incl_compile_s": round(warmup, 2),
+                 "compile_count": sampler.compile_count, **our_facts},
+        "hf": {**summary["hf"], **hf_facts},
+        "ratio_ours_over_hf": {
+            "end_to_end": ratio(lambda i: ours_r["counts"][i] / ours_r["full"][i],
+                                lambda i: hf_r["counts"][i] / hf_r["full"][i]),
+            "prefill": ratio(lambda i: 1.0 / ours_r["prefill"][i], lambda i: 1.0 / hf_r["prefill"][i]),
+            "decode": ratio(decode(ours_r), decode(hf_r)),
+        },
+        "load_avg_1m": {"before": load_before, "after": load_average()},
+        "machine": machine(),
     }
-    return write_report(result, args.out)
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

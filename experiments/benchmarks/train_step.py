@@ -141,7 +141,7 @@ def build_torch(
     tokens = torch.from_numpy(batch.tokens.astype(np.int64))
     targets = torch.from_numpy(batch.targets.astype(np.int64))
     mask = torch.from_numpy(batch.response_mask).float()
-    old = torch.from_numpy(old_logprobs)
+    old = torch.from_numpy(np.array(old_logprobs, np.float32))
     adv = torch.from_numpy(batch.advantages)[:, None]
 
     def run() -> float:
@@ -160,7 +160,7 @@ def build_torch(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"])
         optimizer.step()
-        return float(loss)
+        return float(loss.detach())
 
     return run, {"torch": torch.__version__, "threads": torch.get_num_threads(),
                  "attention": model.config._attn_implementation}
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="CPUs for each side (0: leave as is)")
     parser.add_argument("--order", default="interleaved", choices=("interleaved", "blocked"))
+    parser.add_argument("--peak-size", type=int, default=2048, help="side of the f32 matmul peak probe")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/benchmarks/train_step.json")
     args = parser.parse_args(argv)
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shape = QWEN3_SHAPES[args.shape]
     load_before = load_average()
     with pinned_threads(args.threads) as threads, tempfile.TemporaryDirectory() as folder:
-        peak = matmul_peak()
+        peak = matmul_peak(args.peak_size)
         hf_model = build_hf_checkpoint(folder, shape, args.seed)
         batch = make_batch(args.rows, args.length, args.prompt_len, shape["vocab_size"], args.seed)
         ours, old_logprobs, our_facts = build_ours(folder, batch)
