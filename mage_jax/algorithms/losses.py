@@ -143,39 +143,125 @@ def token_logprobs_and_entropy(
 
     hidden [B, T, H] (after the final norm), head_weight [H, V], targets int[B, T] → two float32
     [B, T]. Logits are hidden @ head_weight / temperature, computed in float32 for ``chunk_size``
-    positions at a time under ``lax.map``; the chunk function is rematerialised
-    (``jax.checkpoint``), so neither the forward nor the backward pass ever holds [B, T, V] logits
-    (Qwen3: V = 151,936). ``allowed`` bool[B, T, V] (constrained decoding) sets forbidden logits to
-    a finite stand-in for −inf before the log-softmax; both outputs describe the constrained
-    distribution. Differentiable in ``hidden`` and ``head_weight``.
+    positions at a time under ``lax.map``, so neither the forward nor the backward pass ever holds
+    [B, T, V] logits (Qwen3: V = 151,936). ``allowed`` bool[B, T, V] (constrained decoding) sets
+    forbidden logits to a finite stand-in for −inf before the log-softmax; both outputs describe the
+    constrained distribution. Differentiable in ``hidden`` and ``head_weight`` (the temperature is a
+    constant of the objective).
+
+    The gradient is written by hand (``_head_vjp``): the forward keeps only the per-position
+    log-normaliser, the backward recomputes each chunk's logits once and forms the logit cotangent in
+    one elementwise pass, ``g_logp·(onehot − p) − g_H·p·(log p + H)``. Differentiating through the
+    rematerialised log-softmax, entropy and target gather instead costs several more passes over the
+    [B, chunk, V] logits and a scatter; ``chunked_reference`` is that simple path, kept as the oracle.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    batch, length, _ = hidden.shape
-    num_chunks = -(-length // chunk_size)
-    padded = num_chunks * chunk_size
+    temperature = jnp.asarray(temperature, jnp.float32)
+    return _head(hidden, head_weight, targets.astype(jnp.int32), allowed, temperature, chunk_size)
 
-    def split(x):  # [B, T, ...] -> [num_chunks, B, chunk, ...]
-        x = jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape((batch, num_chunks, chunk_size) + x.shape[2:])
-        return jnp.moveaxis(x, 1, 0)
+
+def _split(x: jax.Array, chunk_size: int) -> jax.Array:
+    """[B, T, ...] → [num_chunks, B, chunk, ...], zero-padded at the end of T."""
+    batch, length = x.shape[:2]
+    num_chunks = -(-length // chunk_size)
+    x = jnp.pad(x, [(0, 0), (0, num_chunks * chunk_size - length)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape((batch, num_chunks, chunk_size) + x.shape[2:]), 1, 0)
+
+
+def _merge(x: jax.Array, length: int) -> jax.Array:
+    """[num_chunks, B, chunk] → [B, T]."""
+    batch = x.shape[1]
+    return jnp.moveaxis(x, 0, 1).reshape(batch, -1)[:, :length]
+
+
+def _chunk_logits(h: jax.Array, w: jax.Array, a: jax.Array | None, temperature: jax.Array) -> jax.Array:
+    logits = jnp.einsum("bch,hv->bcv", h, w, preferred_element_type=jnp.float32) / temperature
+    return logits if a is None else jnp.where(a, logits, DISALLOWED_LOGIT)
+
+
+def _head_forward(hidden, head_weight, targets, allowed, temperature, chunk_size):
+    """(logp, entropy, log-normaliser), each [B, T] float32."""
+
+    def chunk_fn(args):
+        h, t, a = args
+        logits = _chunk_logits(h, head_weight, a, temperature)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        logp_all = logits - lse[..., None]
+        logp = jnp.take_along_axis(logp_all, t[..., None], axis=-1)[..., 0]
+        entropy = -(jnp.exp(logp_all) * logp_all).sum(axis=-1)
+        return logp, entropy, lse
+
+    xs = (_split(hidden, chunk_size), _split(targets, chunk_size),
+          None if allowed is None else _split(allowed, chunk_size))
+    length = hidden.shape[1]
+    return tuple(_merge(x, length) for x in jax.lax.map(chunk_fn, xs))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _head(hidden, head_weight, targets, allowed, temperature, chunk_size):
+    logp, entropy, _ = _head_forward(hidden, head_weight, targets, allowed, temperature, chunk_size)
+    return logp, entropy
+
+
+def _head_fwd(hidden, head_weight, targets, allowed, temperature, chunk_size):
+    logp, entropy, lse = _head_forward(hidden, head_weight, targets, allowed, temperature, chunk_size)
+    return (logp, entropy), (hidden, head_weight, targets, allowed, temperature, entropy, lse)
+
+
+def _head_vjp(chunk_size, residuals, cotangents):
+    hidden, head_weight, targets, allowed, temperature, entropy, lse = residuals
+    g_logp, g_entropy = cotangents
+    vocab = head_weight.shape[1]
+
+    def chunk_fn(d_weight, args):
+        h, t, a, ent, norm, g_lp, g_ent = args
+        logp_all = _chunk_logits(h, head_weight, a, temperature) - norm[..., None]
+        p = jnp.exp(logp_all)
+        onehot = t[..., None] == jnp.arange(vocab, dtype=t.dtype)
+        d_logits = jnp.where(onehot, g_lp[..., None], 0.0) - p * (
+            g_lp[..., None] + g_ent[..., None] * (logp_all + ent[..., None]))
+        if a is not None:
+            d_logits = jnp.where(a, d_logits, 0.0)
+        d_logits = (d_logits / temperature).astype(head_weight.dtype)
+        d_h = jnp.einsum("bcv,hv->bch", d_logits, head_weight, preferred_element_type=jnp.float32)
+        d_weight = d_weight + jnp.einsum("bch,bcv->hv", h, d_logits, preferred_element_type=jnp.float32)
+        return d_weight, d_h.astype(hidden.dtype)
+
+    split = functools.partial(_split, chunk_size=chunk_size)
+    xs = (split(hidden), split(targets), None if allowed is None else split(allowed), split(entropy),
+          split(lse), split(g_logp.astype(jnp.float32)), split(g_entropy.astype(jnp.float32)))
+    d_weight, d_hidden = jax.lax.scan(chunk_fn, jnp.zeros(head_weight.shape, jnp.float32), xs)
+    batch, length, width = hidden.shape
+    d_hidden = jnp.moveaxis(d_hidden, 0, 1).reshape(batch, -1, width)[:, :length]
+    # The temperature is a constant of the objective: its cotangent is zero.
+    return d_hidden, d_weight.astype(head_weight.dtype), None, None, jnp.zeros_like(temperature)
+
+
+_head.defvjp(_head_fwd, _head_vjp)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
+def chunked_reference(
+    hidden: jax.Array,
+    head_weight: jax.Array,
+    targets: jax.Array,
+    *,
+    chunk_size: int,
+    temperature: float = 1.0,
+    allowed: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The simple path ``token_logprobs_and_entropy`` must agree with: the same chunked forward under
+    ``jax.checkpoint``, differentiated by autodiff."""
 
     @jax.checkpoint
     def chunk_fn(args):
         h, t, a = args
-        logits = jnp.einsum("bch,hv->bcv", h, head_weight, preferred_element_type=jnp.float32)
-        logits = logits / temperature
-        if a is not None:
-            logits = jnp.where(a, logits, DISALLOWED_LOGIT)
-        logp_all = jax.nn.log_softmax(logits, axis=-1)
+        logp_all = jax.nn.log_softmax(_chunk_logits(h, head_weight, a, temperature), axis=-1)
         logp = jnp.take_along_axis(logp_all, t[..., None], axis=-1)[..., 0]
-        entropy = -(jnp.exp(logp_all) * logp_all).sum(axis=-1)
-        return logp, entropy
+        return logp, -(jnp.exp(logp_all) * logp_all).sum(axis=-1)
 
-    xs = (split(hidden), split(targets.astype(jnp.int32)), None if allowed is None else split(allowed))
+    xs = (_split(hidden, chunk_size), _split(targets.astype(jnp.int32), chunk_size),
+          None if allowed is None else _split(allowed, chunk_size))
     logp, entropy = jax.lax.map(chunk_fn, xs)
-
-    def merge(x):  # [num_chunks, B, chunk] -> [B, T]
-        return jnp.moveaxis(x, 0, 1).reshape(batch, padded)[:, :length]
-
-    return merge(logp), merge(entropy)
+    return _merge(logp, hidden.shape[1]), _merge(entropy, hidden.shape[1])
