@@ -13,6 +13,7 @@ from experiments import evaluate, kuhn_poker
 from mage_jax import config as C
 from mage_jax.logging import read_jsonl
 from mage_jax.training import trainer as trainer_module
+from tests.training.test_checkpoint import flip_bytes
 
 TIMING = {"time", "wall_seconds", "rollout_seconds", "update_seconds", "iteration_seconds", "rows_per_second"}
 RUN = {"train.iterations": 3, "checkpoint.every": 1, "checkpoint.keep": 2}
@@ -79,6 +80,32 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(finished_run, tmp_path
     assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume"]) == 0
     assert comparable(run_dir) == comparable(reference_dir)
 
+
+
+def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_finishes_identically(
+        finished_run, tmp_path, monkeypatch, capsys):
+    """64 flipped bytes in the newest step's parameter data: resume warns in one line, restores the
+    older step, retrains from there and ends with the uninterrupted run's metrics."""
+    _, reference_dir, args = finished_run
+    run_dir = tmp_path / "run"
+    original = trainer_module.Trainer.train_iteration
+
+    def stop_after_two(self, iteration):
+        metrics = original(self, iteration)
+        if iteration == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return metrics
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", stop_after_two)
+    assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == 0
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
+    flip_bytes(run_dir / "checkpoints" / "2")
+    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", original)
+    capsys.readouterr()
+    assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "step 2" in warnings[0] and "restored step 1" in warnings[0]
+    assert comparable(run_dir) == comparable(reference_dir)
 
 def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):
     _, run_dir, _ = finished_run

@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
+from mage_jax.config import ConfigError
 from mage_jax.logging import MetricsLogger, read_jsonl
-from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
+from mage_jax.training.checkpoint import Checkpointer, CheckpointError, key_from_json, key_to_json
 from mage_jax.training.train_step import TrainState
 
 
@@ -75,3 +77,113 @@ def test_logger_writes_plain_json_and_truncates_on_resume(tmp_path):
     assert [(r["iteration"], r["loss"]) for r in read_jsonl(str(tmp_path))] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
         assert all(json.loads(line) for line in f)
+
+
+# -- integrity: a damaged newest step falls back to the newest intact one ------------------------------
+
+
+def big_state(value: float) -> TrainState:
+    """A state with a parameter large enough to fill its own data file (the one the damage hits)."""
+    rng = np.random.default_rng(int(value))
+    params = {"w": jnp.asarray(rng.standard_normal((64, 256)), jnp.float32) + value, "b": jnp.arange(4.0)}
+    return TrainState(params=params, opt_state=optax.adamw(1e-3).init(params), step=jnp.int32(int(value)))
+
+
+def largest_file(step_dir) -> str:
+    files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir / "state") for f in fs]
+    return max(files, key=os.path.getsize)
+
+
+def truncate(step_dir) -> None:
+    path = largest_file(step_dir)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def flip_bytes(step_dir) -> None:
+    """64 bytes inverted in the middle of the parameter data (the issue's silent-corruption case)."""
+    path = largest_file(step_dir)
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        mid = len(data) // 2
+        data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+        f.seek(0)
+        f.write(data)
+
+
+def delete_file(step_dir) -> None:
+    os.remove(largest_file(step_dir))
+
+
+def edit_meta_iteration(step_dir) -> None:
+    path = step_dir / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    meta["iteration"] += 1
+    path.write_text(json.dumps(meta))
+
+
+def save_two_steps(root) -> None:
+    with Checkpointer(str(root), keep=3) as ckpt:
+        ckpt.save(4, big_state(4.0), {"iteration": 4, "note": "older"})
+        ckpt.save(6, big_state(6.0), {"iteration": 6, "note": "newest"})
+
+
+DAMAGE = {"truncate": truncate, "flip_bytes": flip_bytes, "delete_file": delete_file,
+          "edit_meta_iteration": edit_meta_iteration}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_newest_step_falls_back_to_the_older_one_with_one_warning(tmp_path, capsys, damage):
+    root = tmp_path / "ckpt"
+    save_two_steps(root)
+    DAMAGE[damage](root / "6")
+    capsys.readouterr()
+    with Checkpointer(str(root), keep=3) as ckpt:
+        restored, meta = ckpt.restore(big_state(0.0))
+        assert ckpt.latest_step() == 4  # the damaged step is moved aside: the run can save step 6 again
+        assert ckpt.save(6, big_state(6.0), {"iteration": 6})
+    expected = big_state(4.0)
+    assert meta == {"iteration": 4, "note": "older"}
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    err = capsys.readouterr().err.strip().splitlines()
+    warnings = [line for line in err if line.startswith("warning:")]
+    assert len(warnings) == 1 and "step 6" in warnings[0] and "restored step 4" in warnings[0], err
+    assert (root / "6.damaged").is_dir()
+
+
+def test_flipped_parameter_values_are_caught_by_the_array_checksum(tmp_path):
+    """Bytes changed so that every file still parses: only the per-array checksum can notice."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(str(root), keep=3) as ckpt:
+        ckpt.save(4, big_state(4.0), {"iteration": 4})
+        ckpt.save(6, big_state(6.0), {"iteration": 6})
+    path = root / "6" / "checksums" / "metadata"
+    sums = json.loads(path.read_text())
+    sums["arrays"][".params['w']"] = "0" * 8  # as if the stored values no longer matched
+    path.write_text(json.dumps(sums))
+    damaged = r"step 6 .*array \.params\['w'\] does not match its checksum"
+    with Checkpointer(str(root), keep=3) as ckpt, pytest.raises(CheckpointError, match=damaged):
+        ckpt.restore(big_state(0.0), step=6)
+
+
+def test_every_step_damaged_is_one_clear_error(tmp_path):
+    root = tmp_path / "ckpt"
+    save_two_steps(root)
+    flip_bytes(root / "6")
+    edit_meta_iteration(root / "4")
+    with Checkpointer(str(root), keep=3) as ckpt, pytest.raises(CheckpointError) as info:
+        ckpt.restore(big_state(0.0))
+    message = str(info.value)
+    assert "\n" not in message and "no intact checkpoint" in message
+    assert "step 6" in message and "step 4 (meta does not match its checksum)" in message
+    assert isinstance(info.value, ConfigError)  # the command lines print it as one error: line
+    assert (root / "6").is_dir() and (root / "4").is_dir()  # nothing is moved when nothing restores
+
+
+def test_restoring_a_missing_step_is_one_clear_error(tmp_path):
+    root = tmp_path / "ckpt"
+    save_two_steps(root)
+    missing = "no checkpoint of step 5"
+    with Checkpointer(str(root), keep=3) as ckpt, pytest.raises(CheckpointError, match=missing):
+        ckpt.restore(big_state(0.0), step=5)
