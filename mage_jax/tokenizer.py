@@ -97,6 +97,7 @@ class Tokenizer:
         folder = Path(path)
         if not folder.is_dir():
             raise TokenizerError(f"tokenizer folder {str(folder)!r} does not exist")
+        _refuse_remote_code(folder)
         try:
             from transformers import AutoTokenizer
 
@@ -277,6 +278,25 @@ def _word_pre_tokenizer():
             pre_tokenizers.Split(Regex(WORD_PATTERN), behavior="isolated"),
         ]
     )
+
+
+def _refuse_remote_code(folder: Path) -> None:
+    """A tokenizer that names its own Python classes (``auto_map``) would need remote code: refused.
+
+    transformers would otherwise quietly fall back to a built-in class that may tokenize differently.
+    """
+    for name, key in (("tokenizer_config.json", None), ("config.json", "AutoTokenizer")):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            auto_map = json.loads(path.read_text(encoding="utf-8")).get("auto_map")
+        except (ValueError, AttributeError):
+            continue  # unreadable files are reported by the loader itself
+        if auto_map and (key is None or (isinstance(auto_map, dict) and key in auto_map)):
+            raise TokenizerError(
+                f"the tokenizer in {str(folder)!r} needs remote code ({name} has an auto_map entry); "
+                "remote code is never run: use a folder with a standard tokenizer.json")
 
 
 def _hf_stop_ids(hf: Any, folder: Path) -> tuple[int, ...]:

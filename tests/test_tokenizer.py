@@ -3,6 +3,9 @@ built-in word-level tokenizer (tags as single tokens, action strings round-trip)
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from mage_jax.envs.parsing import extract_action
@@ -77,6 +80,29 @@ def test_hf_missing_folder_or_template_is_one_clear_error(tmp_path):
     with pytest.raises(TokenizerError, match="cannot load"):
         Tokenizer.from_hf_dir(tmp_path / "empty")
 
+
+
+@pytest.mark.parametrize("file, auto_map", [
+    ("tokenizer_config.json", {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]}),
+    ("config.json", {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None],
+                     "AutoModelForCausalLM": "modeling_custom.CustomModel"}),
+])
+def test_hf_tokenizer_that_needs_remote_code_is_refused_with_one_line(hf_dir, tmp_path, file, auto_map):
+    folder = tmp_path / "remote"
+    shutil.copytree(hf_dir, folder)
+    path = folder / file
+    settings = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**settings, "auto_map": auto_map}))
+    with pytest.raises(TokenizerError, match=f"needs remote code \\({file} has an auto_map entry\\)") as info:
+        Tokenizer.from_hf_dir(folder)
+    assert "\n" not in str(info.value)
+
+
+def test_a_model_auto_map_without_a_tokenizer_entry_does_not_block_the_tokenizer(hf_dir, tmp_path):
+    folder = tmp_path / "model_only"
+    shutil.copytree(hf_dir, folder)
+    (folder / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "modeling_x.X"}}))
+    assert Tokenizer.from_hf_dir(folder).kind == "hf"
 
 # ---------------------------------------------------------------------------------------- word level
 @pytest.fixture(scope="module")

@@ -137,3 +137,23 @@ def test_bad_config_is_one_error_line_nonzero_exit_and_nothing_written(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message)
     assert not run_dir.exists()
+
+
+def test_a_model_folder_with_nan_weights_is_one_error_line_naming_the_tensor(tiny_hf_model, tmp_path, capsys,
+                                                                            smoke_args):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "nan_model"
+    shutil.copytree(tiny_hf_model, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    argv = [*smoke_args(), "--preset", "small", "--model-path", str(folder),
+            "--run-dir", str(tmp_path / "run")]
+    assert kuhn_poker.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("error: model: tensor 'model.layers.0.mlp.up_proj.weight'")
+    assert "non-finite" in err[0]
