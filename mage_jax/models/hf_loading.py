@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -225,9 +225,15 @@ def export_hf(
     out_dir: str | os.PathLike,
     *,
     max_shard_bytes: int = 4 << 30,
+    eos_token_ids: Sequence[int] = (),
+    pad_token_id: int | None = None,
+    bos_token_id: int | None = None,
 ) -> None:
     """Write `config.json` + safetensors (sharded with an index above `max_shard_bytes`) that
     `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads as the same model.
+
+    Token ids given here go into `config.json` and `generation_config.json`, so `generate` stops at
+    every end-of-turn token (the first of `eos_token_ids` is the main one) and pads with `pad_token_id`.
 
     `state` is a parameter state or a `Transformer`. In a multi-host run every process must call
     this (arrays are gathered); only process 0 writes.
@@ -276,8 +282,19 @@ def export_hf(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
+    ids: dict[str, Any] = {}
+    if eos_token_ids:
+        eos = [int(i) for i in eos_token_ids]
+        ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if pad_token_id is not None:
+        ids["pad_token_id"] = int(pad_token_id)
+    if bos_token_id is not None:
+        ids["bos_token_id"] = int(bos_token_id)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config.to_hf_config(), f, indent=2)
+        json.dump({**config.to_hf_config(), **ids}, f, indent=2)
+    if ids:
+        with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump(ids, f, indent=2)
 
 
 def _to_host(leaf: Any) -> np.ndarray:
