@@ -19,6 +19,7 @@ step is intact does restoring fail, with one ``CheckpointError`` line.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -38,6 +39,11 @@ DAMAGED_SUFFIX = ".damaged"
 
 class CheckpointError(ConfigError):
     """No intact checkpoint to restore; the message is one line naming each damaged step."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """An intact checkpoint whose arrays have other shapes or dtypes than this run's state (the config
+    changed the model or optimizer): a configuration problem, so no older step is tried."""
 
 
 class DamagedCheckpoint(Exception):
@@ -81,6 +87,29 @@ def state_digests(state: Any) -> dict[str, str]:
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         digests = list(pool.map(array_digest, [leaf for _, leaf in leaves]))
     return {jax.tree_util.keystr(path): d for (path, _), d in zip(leaves, digests)}
+
+
+def state_signature(state: Any) -> dict[str, list[Any]]:
+    """``{tree path: [shape, dtype name]}`` of every leaf (arrays, shape structs or scalars)."""
+    def signature(leaf: Any) -> list[Any]:
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        return [list(np.shape(leaf)), str(dtype)]
+
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {jax.tree_util.keystr(path): signature(leaf) for path, leaf in leaves}
+
+
+def _mismatch(saved: Mapping[str, Any], wanted: Mapping[str, list[Any]]) -> str | None:
+    """The first difference between a saved signature and the template's, in words (None: same)."""
+    for path in sorted(set(saved) | set(wanted)):
+        if path not in wanted:
+            return f"it holds {path}, which this run's state lacks"
+        if path not in saved:
+            return f"it lacks {path}"
+        have, want = list(saved[path]), wanted[path]
+        if have != want:
+            return f"{path} is {have[0]} {have[1]} there but {want[0]} {want[1]} here"
+    return None
 
 
 def meta_digest(meta: Mapping[str, Any]) -> str:
@@ -133,7 +162,8 @@ class Checkpointer:
         if iteration in self._manager.all_steps():
             return False
         meta = dict(meta)
-        checksums = {"arrays": state_digests(state), "meta": meta_digest(meta)}
+        checksums = {"arrays": state_digests(state), "shapes": state_signature(state),
+                     "meta": meta_digest(meta)}
         saved = self._manager.save(
             iteration,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
@@ -149,8 +179,11 @@ class Checkpointer:
         ``template`` (a pytree like the saved state) gives the structure and the target shardings.
         With ``step=None`` the newest intact step is restored: damaged newer steps are moved aside and
         named in one warning line on stderr. ``CheckpointError`` when the asked step (or, by default,
-        every step) is damaged; ``FileNotFoundError`` when there is no checkpoint at all.
+        every step) is damaged; ``CheckpointMismatch`` when an intact step holds arrays of other shapes
+        or dtypes than ``template`` (the config changed); ``FileNotFoundError`` when there is no
+        checkpoint at all.
         """
+        _drop_orbax_leftovers()
         steps = sorted(self._manager.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
@@ -179,6 +212,19 @@ class Checkpointer:
         raise CheckpointError(f"no intact checkpoint in {self.directory}: {'; '.join(skipped)}")
 
     def _restore_verified(self, template: Any, step: int) -> tuple[Any, dict[str, Any]]:
+        try:
+            checksums = self._manager.restore(step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))
+            saved = checksums["checksums"]["shapes"]
+            if not isinstance(saved, Mapping):
+                raise TypeError("shapes is not an object")
+        except Exception as err:
+            reason = type(err).__name__
+            raise DamagedCheckpoint(f"its checksums are missing or unreadable ({reason})") from None
+        difference = _mismatch(saved, state_signature(template))
+        if difference is not None:
+            raise CheckpointMismatch(
+                f"checkpoint step {step} in {self.directory} does not fit this run's model / optimizer: "
+                f"{difference}; resume with the config it was saved with")
         try:
             restored = self._manager.restore(
                 step,
@@ -219,6 +265,29 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _drop_orbax_leftovers() -> None:
+    """Keep a damaged step's report to its one line.
+
+    After a failed read orbax leaves tensorstore callbacks (which then find their event loop closed)
+    and unfinished read coroutines behind; when they end, during the restore or at a later garbage
+    collection, Python prints "Exception ignored" tracebacks of 5-60 lines each for a problem already
+    reported. This hook drops those two kinds, and only those; everything else reaches the previous hook.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_orbax_leftovers", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        exc, obj = unraisable.exc_value, unraisable.object
+        closed_loop = isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+        orbax_read = inspect.iscoroutine(obj) and "orbax" in obj.cr_code.co_filename
+        if not (closed_loop or orbax_read):
+            previous(unraisable)
+
+    hook.drops_orbax_leftovers = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def key_to_json(key: jax.Array) -> list[int]:
