@@ -187,6 +187,8 @@ class Checkpointer:
         steps = sorted(self._manager.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        if not any(os.path.isdir(os.path.join(self.directory, str(s), "checksums")) for s in steps):
+            return self._restore_unverified(template, step if step is not None else steps[0], steps)
         if step is not None:
             if step not in steps:
                 raise CheckpointError(f"no checkpoint of step {step} in {self.directory} "
@@ -210,6 +212,23 @@ class Checkpointer:
                       f"(moved aside as <step>{DAMAGED_SUFFIX}); restored step {candidate}", file=sys.stderr)
             return restored
         raise CheckpointError(f"no intact checkpoint in {self.directory}: {'; '.join(skipped)}")
+
+    def _restore_unverified(self, template: Any, step: int, steps: list[int]) -> tuple[Any, dict[str, Any]]:
+        """A directory written before checksums existed (no step has them): restored as it is, once
+        named in a warning line. A missing checksum beside checksummed steps is damage instead."""
+        if step not in steps:
+            raise CheckpointError(
+                f"no checkpoint of step {step} in {self.directory} (steps: {sorted(steps)})")
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_abstract(template)), meta=ocp.args.JsonRestore()))
+        except Exception as err:
+            first = str(err).strip().splitlines()[0][:100] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} (written without checksums) "
+                                  f"cannot be restored: {type(err).__name__}: {first}") from None
+        print(f"warning: checkpoint step {step} in {self.directory} predates checksums; restored it "
+              "unverified", file=sys.stderr)
+        return restored["state"], dict(restored["meta"])
 
     def _restore_verified(self, template: Any, step: int) -> tuple[Any, dict[str, Any]]:
         try:

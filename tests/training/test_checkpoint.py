@@ -224,3 +224,29 @@ def test_a_state_of_other_shapes_is_a_config_mismatch_not_damage(tmp_path):
     with Checkpointer(str(root), keep=3) as ckpt, pytest.raises(CheckpointMismatch, match="float32 there"):
         ckpt.restore(half)
     assert sorted(os.listdir(root)) == ["4", "6"]
+
+
+def test_a_directory_written_before_checksums_restores_unverified_with_one_warning(tmp_path, capsys):
+    """Runs started by an earlier version (state + meta, no checksums in any step) still resume."""
+    import orbax.checkpoint as ocp
+
+    root = tmp_path / "ckpt"
+    options = ocp.CheckpointManagerOptions(max_to_keep=3, create=True, enable_async_checkpointing=False)
+    with ocp.CheckpointManager(str(root), options=options, item_names=("state", "meta")) as legacy:
+        legacy.save(4, args=ocp.args.Composite(state=ocp.args.StandardSave(big_state(4.0)),
+                                                meta=ocp.args.JsonSave({"iteration": 4})))
+        legacy.wait_until_finished()
+    capsys.readouterr()
+    with Checkpointer(str(root), keep=3) as ckpt:
+        restored, meta = ckpt.restore(big_state(0.0))
+        ckpt.save(5, big_state(5.0), {"iteration": 5})  # new steps carry checksums
+        ckpt.save(6, big_state(6.0), {"iteration": 6})
+    assert meta == {"iteration": 4}
+    np.testing.assert_array_equal(np.asarray(restored.params["w"]), np.asarray(big_state(4.0).params["w"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: checkpoint step 4 in {root} predates checksums; restored it unverified"]
+    shutil.rmtree(root / "6" / "checksums")  # beside steps with them: damage, not an old format
+    with Checkpointer(str(root), keep=3) as ckpt:
+        _, meta = ckpt.restore(big_state(0.0))
+    assert meta == {"iteration": 5}
+    assert "skipped damaged checkpoint step 6 (its checksums are missing" in capsys.readouterr().err
