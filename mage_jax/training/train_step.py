@@ -15,7 +15,7 @@ state keep the partition rules of ``mage_jax.models.sharding``. On one CPU devic
   optimizer state are kept (``jnp.where`` over the tree) and ``skipped = 1`` is reported.
 
 Constrained decoding: when rows were sampled under a token automaton, the recompute replays it
-(``sampling.constraint_masks``) so the log-probs describe the same constrained distribution the
+(``constraints.constraint_masks``) so the log-probs describe the same constrained distribution the
 sampler drew from. The automaton is replayed over the first ``constraint_len`` response tokens, which
 bounds the ``[R, T, V]`` mask to the short action strings it is meant for.
 """
@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mage_jax.algorithms import losses
+from mage_jax.constraints import constraint_masks
 from mage_jax.models import sharding as shd
 from mage_jax.models.transformer import make_attention_mask
 
@@ -172,8 +173,6 @@ class TrainStep:
 
     def _allowed(self, batch: dict[str, jax.Array]) -> jax.Array:
         """bool[R, T, V]: the constraint mask of each target position (all True outside the response)."""
-        from mage_jax.sampling import constraint_masks
-
         targets = batch["targets"]
         rows, length = targets.shape
         steps = max(1, min(self.config.constraint_len, length))

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from mage_jax.constraints import TokenAutomaton
 from mage_jax.rollout.rows import Row, minibatch_indices, pack_rows
-from mage_jax.sampling import TokenAutomaton
 
 PAD = 0
 
