@@ -26,9 +26,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from experiments.harness import EvalSplit, ExperimentOptions
 from experiments.presets import SINGLE_AGENT, EnvExperiment, scale_presets, tiny_overrides
 from mage_jax import config as C
+from mage_jax.evaluation.evaluator import EvalProtocol, EvalSplit
 
 EXPERIMENT = "alfworld"
 IN_DOMAIN_SPLIT = "valid_seen"
@@ -51,13 +51,13 @@ TINY = tiny_overrides(max_prompt_tokens=2048, max_response_tokens=24, invalid_pe
 PRESETS = scale_presets(ENV, TINY, "alfworld")
 
 
-def options(cfg: C.ExperimentConfig) -> ExperimentOptions:
+def protocol(cfg: C.ExperimentConfig) -> EvalProtocol:
     n = cfg.train.eval_heldout_meta_episodes or cfg.train.eval_meta_episodes
     splits = [EvalSplit(IN_DOMAIN_SPLIT, env_options={"split": IN_DOMAIN_SPLIT}, meta_episodes=n),
               EvalSplit(HELD_OUT_SPLIT, env_options={"split": HELD_OUT_SPLIT}, meta_episodes=n)]
     if cfg.env.options.get("split") == LAMER_TRAIN:
         splits.append(EvalSplit(LAMER_HELD_OUT, env_options={"split": LAMER_HELD_OUT}, meta_episodes=n))
-    return ExperimentOptions(
+    return EvalProtocol(
         extra_splits=tuple(splits),
         random_reference=False,
         headline_split=IN_DOMAIN_SPLIT,
@@ -67,7 +67,7 @@ def options(cfg: C.ExperimentConfig) -> ExperimentOptions:
 SPEC = EnvExperiment(
     name=EXPERIMENT,
     presets=PRESETS,
-    options=options,
+    protocol=protocol,
     titles={"eval": "training games, held-out instances", IN_DOMAIN_SPLIT: "valid_seen (in-domain, Table 1)",
             HELD_OUT_SPLIT: "valid_unseen (held-out)", LAMER_HELD_OUT: "LaMer's held-out task types"},
     description="MAGE on ALFWorld",

@@ -21,9 +21,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from experiments.harness import EvalSplit, ExperimentOptions
 from experiments.presets import SINGLE_AGENT, EnvExperiment, scale_presets, tiny_overrides
 from mage_jax import config as C
+from mage_jax.evaluation.evaluator import EvalProtocol, EvalSplit
 
 EXPERIMENT = "webshop"
 HELD_OUT_SPLIT = "test"
@@ -47,9 +47,9 @@ TINY = {
 PRESETS = scale_presets(ENV, TINY, "webshop")
 
 
-def options(cfg: C.ExperimentConfig) -> ExperimentOptions:
+def protocol(cfg: C.ExperimentConfig) -> EvalProtocol:
     n = cfg.train.eval_heldout_meta_episodes or cfg.train.eval_meta_episodes
-    return ExperimentOptions(
+    return EvalProtocol(
         extra_splits=(EvalSplit("test_goals", env_options={"split": HELD_OUT_SPLIT}, meta_episodes=n),),
         random_reference=False,  # a random click walk almost never buys the right product
     )
@@ -58,7 +58,7 @@ def options(cfg: C.ExperimentConfig) -> ExperimentOptions:
 SPEC = EnvExperiment(
     name=EXPERIMENT,
     presets=PRESETS,
-    options=options,
+    protocol=protocol,
     titles={"eval": "training goals, held-out instances (Table 1)", "test_goals": "held-out test goals"},
     description="MAGE on WebShop",
 )

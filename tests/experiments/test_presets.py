@@ -9,11 +9,13 @@ import json
 import pytest
 
 from experiments.common import parse_command_line
-from experiments.presets import ENVIRONMENT_MODULES, PAPER_SETTINGS, environment
+from experiments.environments import ENVIRONMENTS, environment
+from experiments.presets import PAPER_SETTINGS
 from mage_jax import config as C
 
-ENVS = tuple(ENVIRONMENT_MODULES)
+ENVS = tuple(ENVIRONMENTS)
 MODULES = (
+    "experiments.kuhn_poker",
     "experiments.tic_tac_toe",
     "experiments.sokoban",
     "experiments.minesweeper",
@@ -109,7 +111,7 @@ def test_missing_model_folder_on_the_command_line_is_one_error_line(module, caps
 def test_tic_tac_toe_reports_mcts100_first_as_table_entry_and_mcts1000_held_out():
     spec = environment("tic_tac_toe")
     cfg = spec.config("tiny")
-    opts = spec.options(cfg)
+    opts = spec.protocol(cfg)
     assert cfg.env.heldout_opponent == "mcts-1000" and cfg.env.heldout_seat == "first"
     assert opts.headline_split == "mcts100_first"
     (split,) = opts.extra_splits
@@ -121,7 +123,7 @@ def test_sokoban_evaluates_one_and_three_boxes_held_out():
     spec = environment("sokoban")
     cfg = spec.config("tiny")
     assert cfg.env.options == {"num_boxes": 2} and cfg.env.opponents == ()
-    assert {s.name: dict(s.env_options) for s in spec.options(cfg).extra_splits} == {
+    assert {s.name: dict(s.env_options) for s in spec.protocol(cfg).extra_splits} == {
         "boxes_1": {"num_boxes": 1},
         "boxes_3": {"num_boxes": 3},
     }
@@ -129,12 +131,12 @@ def test_sokoban_evaluates_one_and_three_boxes_held_out():
 
 def test_alfworld_and_webshop_evaluate_their_held_out_splits():
     alf = environment("alfworld")
-    splits = {s.name: dict(s.env_options) for s in alf.options(alf.config("tiny")).extra_splits}
+    splits = {s.name: dict(s.env_options) for s in alf.protocol(alf.config("tiny")).extra_splits}
     assert splits == {"valid_seen": {"split": "valid_seen"}, "valid_unseen": {"split": "valid_unseen"}}
     lamer = alf.config("tiny", {"env.options": {"split": "lamer_train"}})
-    assert [s.name for s in alf.options(lamer).extra_splits][-1] == "lamer_heldout"
+    assert [s.name for s in alf.protocol(lamer).extra_splits][-1] == "lamer_heldout"
     web = environment("webshop")
-    assert [dict(s.env_options) for s in web.options(web.config("tiny")).extra_splits] == [{"split": "test"}]
+    assert [dict(s.env_options) for s in web.protocol(web.config("tiny")).extra_splits] == [{"split": "test"}]
 
 
 def test_unknown_environment_and_preset_are_config_errors():
