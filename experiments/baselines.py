@@ -95,8 +95,8 @@ def method(name: str) -> Method:
 
 def method_presets(env: EnvExperiment, m: Method) -> dict[str, Preset]:
     """The environment's presets with the method's overrides applied on top."""
-    return {name: Preset({**p.overrides, **m.overrides}, f"{p.description}; {m.description}",
-                         p.needs_model_path)
+    return {name: dataclasses.replace(p, overrides={**p.overrides, **m.overrides},
+                                      description=f"{p.description}; {m.description}")
             for name, p in env.presets.items()}
 
 

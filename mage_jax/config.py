@@ -42,6 +42,10 @@ class EnvConfig:
     name: str = "kuhn_poker"
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Keyword arguments of ``make_env`` (e.g. ``max_turns``)."""
+    data_dir: str | None = None
+    """Local folder of the environment's data files (ALFWorld's game files, WebShop's official product
+    and instruction files), given to the environment as its ``data_dir`` option; None: the
+    environment's default (``$ALFWORLD_DATA``; WebShop's generated catalogue)."""
     opponents: tuple[str, ...] = ("conservative", "aggressive", "intermediate")
     opponent_ratios: tuple[float, ...] = (0.3, 0.3, 0.4)
     seats: str = "mixed"

@@ -106,8 +106,14 @@ def runner_config(cfg: C.ExperimentConfig, *, num_episodes: int, privileged_refl
     )
 
 
+def env_options(cfg: C.ExperimentConfig) -> dict[str, Any]:
+    """Keyword arguments of ``make_env``: ``env.options`` with ``env.data_dir`` when it is set."""
+    extra = {"data_dir": cfg.env.data_dir} if cfg.env.data_dir is not None else {}
+    return {**cfg.env.options, **extra}
+
+
 def make_runner(cfg: C.ExperimentConfig, *, num_episodes: int, keep_text: bool = False) -> MetaEpisodeRunner:
-    return MetaEpisodeRunner(cfg.env.name, cfg.env.options,
+    return MetaEpisodeRunner(cfg.env.name, env_options(cfg),
                              runner_config(cfg, num_episodes=num_episodes, keep_text=keep_text))
 
 
@@ -119,7 +125,7 @@ def make_eval_runner(cfg: C.ExperimentConfig,
         raise C.ConfigError(f"eval_mode must be one of {', '.join(EVAL_MODES)} (got {eval_mode!r})")
     n = cfg.train.eval_num_episodes
     if eval_mode == "independent":
-        base = MetaEpisodeRunner(cfg.env.name, cfg.env.options,
+        base = MetaEpisodeRunner(cfg.env.name, env_options(cfg),
                                  runner_config(cfg, num_episodes=1, privileged_reflection=False))
         return IndependentAttemptsRunner(base, n)
     return make_runner(cfg, num_episodes=n)
