@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from mage_jax.algorithms.advantages import ANCHOR_MODES
 from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 from mage_jax.envs.base import StepResult, TextEnv, make_env
 from mage_jax.envs.parsing import extract_reflection
@@ -46,7 +47,6 @@ from mage_jax.rollout.policy import Generation, GenerationRequest, Policy
 from mage_jax.rollout.rows import Row
 from mage_jax.rollout.tasks import Task
 
-ANCHOR_MODES = ("global", "local")
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
 _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 

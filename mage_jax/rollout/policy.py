@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import jax
 import numpy as np
 
 from mage_jax.constraints import automaton_from_completions
@@ -183,8 +184,6 @@ class LLMPolicy:
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
-        import jax
-
         if not requests:
             return []
         prompt_ids = self._encode([r.prompt for r in requests])

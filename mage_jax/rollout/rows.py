@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from mage_jax.algorithms import RowBatch
+
 PHASES = ("play", "reflect")
 
 
@@ -149,10 +151,8 @@ class PackedBatch:
         """The per-row arrays under the algorithms' ``RowBatch`` field names."""
         return {name: getattr(self, name) for name in self.ROW_BATCH_FIELDS}
 
-    def row_batch(self):
+    def row_batch(self) -> RowBatch:
         """The algorithms' ``RowBatch`` (a pytree of [R] arrays) for returns and advantages."""
-        from mage_jax.algorithms import RowBatch
-
         return RowBatch.create(**self.row_batch_arrays())
 
     def row_transitions(self, rows: slice | np.ndarray | None = None) -> np.ndarray | None:

@@ -143,7 +143,7 @@ def make_task_sampler(cfg: C.ExperimentConfig) -> TaskSampler:
 
 def make_mesh(cfg: C.ExperimentConfig):
     try:
-        return shd.make_mesh(shd.MeshConfig(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor))
+        return shd.make_mesh(cfg.mesh)
     except ValueError as err:
         raise C.ConfigError(f"mesh: {err}") from None
 

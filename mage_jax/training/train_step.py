@@ -138,6 +138,9 @@ def learning_rate_schedule(lr: float, warmup_steps: int = 0) -> optax.Schedule:
     )
 
 
+LR_DECAYS = ("constant", "linear", "cosine")
+
+
 def lr_decay(kind: str, progress: float, end_fraction: float = 0.0) -> float:
     """Multiplier of the learning rate at ``progress`` in [0, 1] of the run: constant, linear or cosine
     decay from 1 to ``end_fraction``."""
