@@ -25,6 +25,7 @@ from experiments.common import ConfigErrorParser, split_dotted
 from experiments.presets import EnvExperiment
 from mage_jax import config as C
 from mage_jax.evaluation.evaluator import EvalProtocol
+from mage_jax.evaluation.plots import _pyplot
 from mage_jax.evaluation.report import load_summary
 
 
@@ -229,8 +230,6 @@ def markdown_table(aggregates: Mapping[str, Aggregate], *, paper: Mapping[str, s
 def plot_aggregates(aggregates: Mapping[str, Aggregate], path: str, *, title: str = "",
                     labels: Mapping[str, str] | None = None) -> str:
     """Two panels (success@k, payoff@k against the episode), one line per variant with SE bars."""
-    from mage_jax.evaluation.plots import _pyplot
-
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     ref = next(iter(aggregates.values())).reference or {} if aggregates else {}
