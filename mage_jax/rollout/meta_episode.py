@@ -70,7 +70,7 @@ class RunnerConfig:
     prompt_style: str = "full"
     constrained_actions: bool = False
     privileged_reflection: bool = False
-    anchor_mode: str = "global"
+    anchor: str = "global"
     max_prompt_tokens: int | None = None
     max_turns: int | None = None
     max_response_tokens: int | None = None
@@ -84,8 +84,8 @@ class RunnerConfig:
             raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {self.memory_mode!r}")
         if self.prompt_style not in STYLES:
             raise ValueError(f"prompt_style must be one of {STYLES}, got {self.prompt_style!r}")
-        if self.anchor_mode not in ANCHOR_MODES:
-            raise ValueError(f"anchor_mode must be one of {ANCHOR_MODES}, got {self.anchor_mode!r}")
+        if self.anchor not in ANCHOR_MODES:
+            raise ValueError(f"anchor must be one of {ANCHOR_MODES}, got {self.anchor!r}")
         if not self.reflect and self.memory_mode != "history_only" and self.num_episodes > 1:
             raise ValueError(
                 f"reflect=False writes no reflections, so memory_mode must be 'history_only' "
@@ -461,7 +461,7 @@ class MetaEpisodeRunner:
         reward: float,
         valid: bool,
     ) -> None:
-        if self.config.anchor_mode == "local":
+        if self.config.anchor == "local":
             anchor = local_anchor(anchor, episode)
         keep = self.config.keep_text
         if gen is not None and gen.truncated:

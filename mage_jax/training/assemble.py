@@ -97,7 +97,7 @@ def runner_config(cfg: C.ExperimentConfig, *, num_episodes: int, privileged_refl
         constrained_actions=r.constrained_actions,
         privileged_reflection=(r.privileged_reflection if privileged_reflection is None
                                else privileged_reflection),
-        anchor_mode=cfg.algorithm.anchor,
+        anchor=cfg.algorithm.anchor,
         max_prompt_tokens=r.max_prompt_tokens,
         max_turns=r.max_turns,
         max_response_tokens=r.max_response_tokens,
