@@ -112,9 +112,16 @@ def env_options(cfg: C.ExperimentConfig) -> dict[str, Any]:
     return {**cfg.env.options, **extra}
 
 
+def _env_runner(cfg: C.ExperimentConfig, config: RunnerConfig) -> MetaEpisodeRunner:
+    """A runner of ``cfg``'s environment; bad environment options or missing data are one ConfigError."""
+    try:
+        return MetaEpisodeRunner(cfg.env.name, env_options(cfg), config)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        raise C.ConfigError(f"env {cfg.env.name}: {err}") from None
+
+
 def make_runner(cfg: C.ExperimentConfig, *, num_episodes: int, keep_text: bool = False) -> MetaEpisodeRunner:
-    return MetaEpisodeRunner(cfg.env.name, env_options(cfg),
-                             runner_config(cfg, num_episodes=num_episodes, keep_text=keep_text))
+    return _env_runner(cfg, runner_config(cfg, num_episodes=num_episodes, keep_text=keep_text))
 
 
 def make_eval_runner(cfg: C.ExperimentConfig,
@@ -125,8 +132,7 @@ def make_eval_runner(cfg: C.ExperimentConfig,
         raise C.ConfigError(f"eval_mode must be one of {', '.join(EVAL_MODES)} (got {eval_mode!r})")
     n = cfg.train.eval_num_episodes
     if eval_mode == "independent":
-        base = MetaEpisodeRunner(cfg.env.name, env_options(cfg),
-                                 runner_config(cfg, num_episodes=1, privileged_reflection=False))
+        base = _env_runner(cfg, runner_config(cfg, num_episodes=1, privileged_reflection=False))
         return IndependentAttemptsRunner(base, n)
     return make_runner(cfg, num_episodes=n)
 
