@@ -12,7 +12,8 @@ ALFWorld's game files are read from a local folder (``$ALFWORLD_DATA`` or
 other options). LaMer's split trains on four task types and holds out Cool and Pick-Two:
 ``--env.options '{"split": "lamer_train"}'`` adds the ``lamer_heldout`` evaluation.
 
-The ``tiny`` preset only checks the pipeline end to end: a model trained from scratch on a CPU cannot
+The ``paper`` preset evaluates meta-episodes of 10 episodes (the paper reports ALFWorld up to the 10th
+attempt); training plays 3. The ``tiny`` preset only checks the pipeline end to end: a model trained from scratch on a CPU cannot
 read household instructions; use ``small`` or ``paper`` with a local model folder for results.
 
 Examples::
