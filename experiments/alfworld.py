@@ -13,8 +13,9 @@ other options). LaMer's split trains on four task types and holds out Cool and P
 ``--env.options '{"split": "lamer_train"}'`` adds the ``lamer_heldout`` evaluation.
 
 The ``paper`` preset evaluates meta-episodes of 10 episodes (the paper reports ALFWorld up to the 10th
-attempt); training plays 3. The ``tiny`` preset only checks the pipeline end to end: a model trained from scratch on a CPU cannot
-read household instructions; use ``small`` or ``paper`` with a local model folder for results.
+attempt); training plays 3. The ``tiny`` preset only checks the pipeline end to end: a model trained
+from scratch on a CPU cannot read household instructions; use ``small`` or ``paper`` with a local
+model folder for results.
 
 Examples::
 
