@@ -11,6 +11,7 @@ import pytest
 
 from experiments import evaluate, kuhn_poker
 from mage_jax import config as C
+from mage_jax.evaluation.report import results_table
 from mage_jax.logging import read_jsonl
 from mage_jax.training import trainer as trainer_module
 from tests.training.test_checkpoint import flip_bytes
@@ -57,7 +58,7 @@ def test_main_job_writes_a_complete_run_directory(finished_run, capsys):
     assert summary["evaluation"]["heldout"]["metrics"]["by_opponent"].keys() == {"cfr"}
     assert {"eval_success.png", "eval_payoff.png", "heldout_success.png", "training.png"} <= set(
         os.listdir(run_dir / "plots"))
-    table = kuhn_poker.results_table(summary)
+    table = results_table(summary, kuhn_poker.SPEC.titles)
     assert "held-out CFR opponent" in table and "ceiling" in table
 
 
