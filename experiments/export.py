@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 from experiments.common import EXIT_CONFIG_ERROR, ConfigErrorParser
 from mage_jax import config as C
+from mage_jax.models.hf_loading import export_hf
+from mage_jax.training.assemble import build_parts, checkpoint_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,16 +42,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def export_run(run_dir: str, out_dir: str, *, step: int | None = None) -> ExportResult:
     """Write the parameters of ``run_dir``'s checkpoint ``step`` (default: latest) and its tokenizer."""
-    from mage_jax.models.hf_loading import export_hf
-    from mage_jax.training.trainer import build_parts, checkpoint_dir, restore_params
-
     if not os.path.isfile(os.path.join(run_dir, C.CONFIG_FILE)):
         raise C.ConfigError(f"--run-dir {run_dir!r} holds no {C.CONFIG_FILE}; pass a training run directory")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise C.ConfigError(f"--out {out_dir!r} already exists and is not an empty folder")
     cfg = C.load(run_dir)
     parts = build_parts(cfg, run_dir)  # the run's own tokenizer and model shapes
-    params, meta = restore_params(parts, checkpoint_dir(cfg, run_dir), step)
+    params, meta = parts.restore_params(checkpoint_dir(cfg, run_dir), step)
     tok = parts.tokenizer
     export_hf(params, parts.model_config, out_dir, eos_token_ids=tok.eos_ids, pad_token_id=tok.pad_id,
               bos_token_id=tok.bos_id)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from experiments import export, kuhn_poker
 from mage_jax import config as C
-from mage_jax.training.trainer import build_parts, checkpoint_dir, restore_params
+from mage_jax.training.assemble import build_parts, checkpoint_dir
 from tests.models.conftest import jax_logits
 
 
@@ -38,7 +38,7 @@ def test_export_loads_in_transformers_with_the_same_tokens_logits_and_stop_ids(t
 
     cfg = C.load(str(trained_run))
     parts = build_parts(cfg, str(trained_run))
-    params, _ = restore_params(parts, checkpoint_dir(cfg, str(trained_run)), 1)
+    params, _ = parts.restore_params(checkpoint_dir(cfg, str(trained_run)), 1)
     ours = parts.tokenizer
     prompt = "Your Card: K | Actions: Player 0: BET"
     [ids] = ours.encode_prompts([prompt])
