@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from mage_jax.models.config import ModelConfig
-from mage_jax.models.transformer import Transformer, make_attention_mask, positions_from_mask
+from mage_jax.models.transformer import Transformer, positions_from_mask
 from mage_jax.sampling import (
     GenerationResult,
     Sampler,
@@ -48,7 +48,7 @@ def tiny():
 def _forward_logp(graphdef, state, seq):
     model = nnx.merge(graphdef, state)
     mask = jnp.ones_like(seq, bool)
-    hidden, _ = model(seq, positions_from_mask(mask), make_attention_mask(mask))
+    hidden, _ = model(seq, positions_from_mask(mask), mask)
     return model.logits(hidden)[0]
 
 

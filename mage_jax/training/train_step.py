@@ -36,7 +36,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mage_jax.algorithms import losses
 from mage_jax.models import sharding as shd
-from mage_jax.models.transformer import make_attention_mask
 
 BATCH_FIELDS = ("tokens", "positions", "token_mask", "targets", "response_mask")
 
@@ -162,8 +161,7 @@ class TrainStep:
     # ------------------------------------------------------------------ model
     def _token_logprobs(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(self.graphdef, params)
-        mask = make_attention_mask(batch["token_mask"])
-        hidden, _ = model(batch["tokens"], batch["positions"], mask)
+        hidden, _ = model(batch["tokens"], batch["positions"], batch["token_mask"])
         allowed = self._allowed(batch) if "transitions" in batch else None
         return losses.token_logprobs_and_entropy(
             hidden, model.head_weight(), batch["targets"], chunk_size=self.config.chunk_size,
