@@ -31,6 +31,7 @@ by EOS ("the response is one of these legal action strings").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -471,14 +472,15 @@ class Sampler:
             self._compiled[static] = fn
         cache = self._init_cache(batch, prompt_bucket + params.max_new_tokens)
         temperature = np.float32(params.temperature if params.temperature > 0 else 1.0)
-        out_tokens, out_logps, lengths, finished = fn(
-            state,
-            cache,
-            *self._place_batch(tokens, valid, row_limits, transitions),
-            key,
-            temperature,
-            np.float32(params.top_p),
-        )
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            out_tokens, out_logps, lengths, finished = fn(
+                state,
+                cache,
+                *self._place_batch(tokens, valid, row_limits, transitions),
+                key,
+                temperature,
+                np.float32(params.top_p),
+            )
         out_tokens, out_logps = np.asarray(out_tokens), np.asarray(out_logps)
         lengths, finished = np.asarray(lengths), np.asarray(finished)
         toks = [out_tokens[r, : lengths[r]].copy() for r in range(n)]
@@ -618,6 +620,7 @@ class Sampler:
             )
             return out_tokens, out_logps, lengths, finished
 
+        call.lower = jitted.lower  # ahead-of-time compilation (memory analysis of a preset)
         return call
 
 

@@ -38,6 +38,7 @@ from flax import nnx
 
 from mage_jax.models import attention as attn
 from mage_jax.models.config import ModelConfig
+from mage_jax.models.sharding import constrain_rows
 
 
 # ---------------------------------------------------------------------------- KV cache
@@ -184,9 +185,9 @@ class Attention(nnx.Module):
         """-> (output [B,T,H], this layer's updated (keys, values) cache or None)."""
         b, t, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).reshape(b, t, heads, dim)
-        k = self.k_proj(x).reshape(b, t, kv_heads, dim)
-        v = self.v_proj(x).reshape(b, t, kv_heads, dim)
+        q = constrain_rows(self.q_proj(x).reshape(b, t, heads, dim))
+        k = constrain_rows(self.k_proj(x).reshape(b, t, kv_heads, dim))
+        v = constrain_rows(self.v_proj(x).reshape(b, t, kv_heads, dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -201,7 +202,7 @@ class Attention(nnx.Module):
                                       block_size=self.block_size)
         else:
             out = attn.cached_attention(q, kv[0], kv[1], kv_start, cache_index)
-        return self.o_proj(out.reshape(b, t, heads * dim)), kv
+        return constrain_rows(self.o_proj(constrain_rows(out.reshape(b, t, heads * dim)))), kv
 
 
 class MLP(nnx.Module):
@@ -212,7 +213,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(c, c.intermediate_size, c.hidden_size, False, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = constrain_rows(jax.nn.silu(constrain_rows(self.gate_proj(x))) * constrain_rows(self.up_proj(x)))
+        return constrain_rows(self.down_proj(h))
 
 
 class Block(nnx.Module):
@@ -226,8 +228,8 @@ class Block(nnx.Module):
     def __call__(self, x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation: str):
         h, kv = self.attn(self.input_norm(x), cos, sin, segment_ids, kv, cache_index, kv_start,
                           implementation)
-        x = x + h
-        x = x + self.mlp(self.post_attn_norm(x))
+        x = constrain_rows(x + h)
+        x = constrain_rows(x + self.mlp(self.post_attn_norm(x)))
         return x, kv
 
 
@@ -280,12 +282,12 @@ class Transformer(nnx.Module):
             segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
             implementation = attn.choose_implementation(
                 config.attention, t, config.jnp_dtype, dense_max_len=config.attention_dense_max_len)
-        x = self.embed(tokens).astype(config.jnp_dtype)
+        x = constrain_rows(self.embed(tokens).astype(config.jnp_dtype))
         cos, sin = rope_tables(config, positions)
         def run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start):
             return block(x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation)
 
-        if config.remat != "none":
+        if config.remat != "none" and cache is None:  # only a differentiated forward pass needs it
             run_block = nnx.remat(run_block, policy=config.remat_policy)
         new_k, new_v = [], []
         for i, block in enumerate(self.layers):
@@ -296,7 +298,7 @@ class Transformer(nnx.Module):
                 new_v.append(kv[1])
         if cache is not None:
             cache = KVCache(k=tuple(new_k), v=tuple(new_v))
-        return self.final_norm(x), cache
+        return constrain_rows(self.final_norm(x)), cache
 
     def head_weight(self) -> jax.Array:
         """The output projection [H,V] in the compute dtype (the embedding transposed when tied)."""

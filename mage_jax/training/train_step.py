@@ -194,7 +194,8 @@ class TrainStep:
                 return jnp.where(batch["response_mask"], logp, 0.0)
 
             self._logprobs = jax.jit(fn, out_shardings=self._batch_sharding)
-        return self._logprobs(params, batch)
+        with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
+            return self._logprobs(params, batch)
 
     def update(self, state: TrainState, batch: dict[str, jax.Array],
                lr_scale: float = 1.0) -> tuple[TrainState, dict[str, Any]]:
@@ -215,7 +216,8 @@ class TrainStep:
                 donate_argnums=(0,),
                 out_shardings=(self.state_shardings(state), self._replicated),
             )
-        grads, metrics = self._grads(state.params, batch)
+        with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
+            grads, metrics = self._grads(state.params, batch)
         return self._update(state, grads, metrics, jnp.float32(lr_scale))
 
     def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array], lr_scale: jax.Array):
