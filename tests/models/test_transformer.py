@@ -151,14 +151,15 @@ def test_head_weight_is_the_transposed_embedding_when_tied(hf_checkpoint):
     np.testing.assert_array_equal(untied.head_weight(), untied.lm_head.kernel.value)
 
 
-def test_remat_changes_neither_outputs_nor_gradients(left_padded_batch):
+@pytest.mark.parametrize("policy", ["full", "dots_with_no_batch_dims_saveable"])
+def test_remat_changes_neither_outputs_nor_gradients(left_padded_batch, policy):
     tokens, mask, positions = left_padded_batch
     config = ModelConfig.preset("tiny", vocab_size=64, num_layers=1, hidden_size=64, intermediate_size=96)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(0)
     state = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.2, a.shape), a.dtype), abstract)
     remat_graphdef = nnx.split(nnx.eval_shape(
-        lambda: Transformer(dataclasses.replace(config, remat=True), rngs=nnx.Rngs(0))))[0]
+        lambda: Transformer(dataclasses.replace(config, remat=policy), rngs=nnx.Rngs(0))))[0]
 
     def loss(state, graphdef):
         m = nnx.merge(graphdef, state)
