@@ -17,7 +17,8 @@ finite garbage that callers ignore. Implementations:
   takes per-row lengths, not segment ids: every row must hold one contiguous run of real tokens (left
   or right padding, as every batch of this project does), which is shifted to the front for the call.
 * ``splash``: the Pallas splash-attention kernel of ``jax.experimental.pallas.ops.tpu`` (TPU), with
-  native segment ids, run per row under ``vmap``; the mesh shards rows (the batch axis) as usual.
+  native segment ids, run per row under ``vmap`` and, with a mesh in context, under ``shard_map`` over
+  the rows' batch axes (a Pallas kernel is opaque to the partitioner).
 
 ``auto`` picks cuDNN on a GPU in half precision, splash on a TPU when T is a multiple of its block,
 and otherwise dense up to ``dense_max_len`` tokens, blockwise beyond.
@@ -340,7 +341,7 @@ def splash_attention(q, k, v, segment_ids, *, causal=True, sliding_window=None, 
         head_mask = splash.CausalMask(shape)
     else:
         head_mask = splash.FullMask(shape)
-    block = min(512, t)
+    block = next(size for size in (512, 256, _SPLASH_BLOCK) if t % size == 0)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
                               block_kv_dq=block)
@@ -355,7 +356,14 @@ def splash_attention(q, k, v, segment_ids, *, causal=True, sliding_window=None, 
 
     # Padding tokens keep segment 0 and see each other, so no query row is empty (the kernel needs that);
     # real tokens never see them.
-    return jax.vmap(one_row)(q, k, v, segment_ids)
+    rows = jax.vmap(one_row)
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in ("data", "fsdp") if not mesh.empty and a in mesh.axis_names)
+    if axes and b % math.prod(mesh.shape[a] for a in axes) == 0:
+        # A Pallas kernel is opaque to the partitioner: run it on each device's own rows.
+        spec = jax.sharding.PartitionSpec(axes)
+        rows = jax.shard_map(rows, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)
+    return rows(q, k, v, segment_ids)
 
 
 # ---------------------------------------------------------------------------- decode over a KV cache
