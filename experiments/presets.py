@@ -106,6 +106,8 @@ def _pretrained(env: str, *, privileged_reflection: bool = False) -> dict[str, A
     return {
         "tokenizer.kind": "hf",
         "tokenizer.enable_thinking": True,
+        # Every decoder block recomputed in the backward pass: activations of one block at a time.
+        "model.overrides": {"remat": "full"},
         "rollout.num_episodes": 3,
         "rollout.memory_mode": "reflection_only",
         "rollout.reflect": True,

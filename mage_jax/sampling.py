@@ -29,6 +29,7 @@ replays the same automaton (``constraints.constraint_masks``) in the log-prob re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -343,14 +344,15 @@ class Sampler:
             self._compiled[static] = fn
         cache = self._init_cache(batch, prompt_bucket + params.max_new_tokens)
         temperature = np.float32(params.temperature if params.temperature > 0 else 1.0)
-        out_tokens, out_logps, lengths, finished = fn(
-            state,
-            cache,
-            *self._place_batch(tokens, valid, row_limits, transitions),
-            key,
-            temperature,
-            np.float32(params.top_p),
-        )
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            out_tokens, out_logps, lengths, finished = fn(
+                state,
+                cache,
+                *self._place_batch(tokens, valid, row_limits, transitions),
+                key,
+                temperature,
+                np.float32(params.top_p),
+            )
         out_tokens, out_logps = np.asarray(out_tokens), np.asarray(out_logps)
         lengths, finished = np.asarray(lengths), np.asarray(finished)
         toks = [out_tokens[r, : lengths[r]].copy() for r in range(n)]
@@ -419,18 +421,13 @@ class Sampler:
                 use_top_p=static.use_top_p,
             )
 
-            # Prefill: causal attention over the real prompt tokens; padding queries see only themselves
-            # so their (ignored) outputs stay finite.
-            slots = jnp.arange(max_len)
-            causal = slots[None, :] <= jnp.arange(prompt_len)[:, None]
-            kv_valid = jnp.pad(valid, ((0, 0), (0, max_new)))
-            mask = (kv_valid[:, None, :] & causal[None]) | (
-                slots[None, None, :] == jnp.arange(prompt_len)[None, :, None]
-            )
+            # Prefill: causal attention among the P prompt tokens only (left padding is segment 0),
+            # their keys and values written at slots 0..P-1.
             positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0).astype(jnp.int32)
-            hidden, cache = model(tokens, positions, mask, cache, jnp.int32(0))
+            hidden, cache = model(tokens, positions, valid, cache, jnp.int32(0))
             logits = model.logits(hidden[:, -1:, :])[:, 0]
             prompt_lens = valid.sum(axis=-1).astype(jnp.int32)
+            kv_start = (prompt_len - prompt_lens).astype(jnp.int32)  # each row's first real slot
 
             def pick(step, logits, auto_state, done):
                 """Choose token `step` for every row and update the bookkeeping."""
@@ -472,9 +469,8 @@ class Sampler:
             def body(carry):
                 step, cache, prev, out_tokens, out_logps, auto_state, done, finished, lengths = carry
                 slot = prompt_len + step - 1  # the previous token goes into this cache slot
-                kv_mask = kv_valid | ((slots >= prompt_len) & (slots <= slot))[None, :]
                 pos = (prompt_lens + step - 1)[:, None]
-                hidden, cache = model(prev[:, None], pos, kv_mask[:, None, :], cache, slot)
+                hidden, cache = model(prev[:, None], pos, cache=cache, cache_index=slot, kv_start=kv_start)
                 logits = model.logits(hidden)[:, 0]
                 token, logp, auto_state, hit_eos = pick(step, logits, auto_state, done)
                 lengths = lengths + (~done).astype(jnp.int32)
@@ -496,6 +492,7 @@ class Sampler:
             )
             return out_tokens, out_logps, lengths, finished
 
+        call.lower = jitted.lower  # ahead-of-time compilation (memory analysis of a preset)
         return call
 
 

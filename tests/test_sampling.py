@@ -13,7 +13,7 @@ from flax import nnx
 
 from mage_jax.constraints import TokenAutomaton, automaton_from_completions, constraint_masks, stack_automata
 from mage_jax.models.config import ModelConfig
-from mage_jax.models.transformer import Transformer, make_attention_mask, positions_from_mask
+from mage_jax.models.transformer import Transformer, positions_from_mask
 from mage_jax.sampling import (
     Sampler,
     SamplingParams,
@@ -43,7 +43,7 @@ def tiny():
 def _forward_logp(graphdef, state, seq):
     model = nnx.merge(graphdef, state)
     mask = jnp.ones_like(seq, bool)
-    hidden, _ = model(seq, positions_from_mask(mask), make_attention_mask(mask))
+    hidden, _ = model(seq, positions_from_mask(mask), mask)
     return model.logits(hidden)[0]
 
 

@@ -36,7 +36,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mage_jax.algorithms import losses
 from mage_jax.constraints import constraint_masks
 from mage_jax.models import sharding as shd
-from mage_jax.models.transformer import make_attention_mask
 
 TOKEN_FIELDS = ("tokens", "positions", "token_mask", "targets", "response_mask")
 
@@ -227,8 +226,7 @@ class TrainStep:
     # ------------------------------------------------------------------ model
     def _token_logprobs(self, params: Any, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(self.graphdef, params)
-        mask = make_attention_mask(batch.token_mask)
-        hidden, _ = model(batch.tokens, batch.positions, mask)
+        hidden, _ = model(batch.tokens, batch.positions, batch.token_mask)
         allowed = self._allowed(batch) if batch.transitions is not None else None
         return losses.token_logprobs_and_entropy(
             hidden, model.head_weight(), batch.targets, chunk_size=self.config.chunk_size,
@@ -259,7 +257,8 @@ class TrainStep:
                 return jnp.where(batch.response_mask, logp, 0.0)
 
             self._logprobs = jax.jit(fn, out_shardings=self._batch_sharding)
-        return self._logprobs(params, batch)
+        with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
+            return self._logprobs(params, batch)
 
     def update(self, state: TrainState, batch: TrainBatch,
                lr_scale: float = 1.0) -> tuple[TrainState, dict[str, Any]]:
@@ -280,7 +279,8 @@ class TrainStep:
                 donate_argnums=(0,),
                 out_shardings=(self.state_shardings(state), self._replicated),
             )
-        grads, metrics = self._grads(state.params, batch)
+        with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
+            grads, metrics = self._grads(state.params, batch)
         return self._update(state, grads, metrics, jnp.float32(lr_scale))
 
     def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array], lr_scale: jax.Array):

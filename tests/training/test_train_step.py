@@ -11,7 +11,6 @@ from flax import nnx
 from mage_jax.constraints import automaton_from_completions
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
-from mage_jax.models.transformer import make_attention_mask
 from mage_jax.training.train_step import (
     StepConfig,
     TrainBatch,
@@ -66,8 +65,7 @@ def test_logprobs_match_a_plain_log_softmax_on_response_tokens(model, step):
     b = batch()
     got = np.asarray(step.compute_logprobs(params, step.place_batch(TrainBatch(**b))))
     m = nnx.merge(graphdef, params)
-    mask = make_attention_mask(jnp.asarray(b["token_mask"]))
-    hidden, _ = m(jnp.asarray(b["tokens"]), jnp.asarray(b["positions"]), mask)
+    hidden, _ = m(jnp.asarray(b["tokens"]), jnp.asarray(b["positions"]), jnp.asarray(b["token_mask"]))
     full = jax.nn.log_softmax(m.logits(hidden), axis=-1)
     want = np.take_along_axis(np.asarray(full), b["targets"][..., None], -1)[..., 0]
     np.testing.assert_allclose(got, np.where(b["response_mask"], want, 0.0), atol=1e-5)
