@@ -181,9 +181,9 @@ def test_the_entropy_bonus_is_subtracted_from_the_loss(model, step):
     descends is exactly -entropy_coef x entropy: a bonus (a flipped sign would punish entropy)."""
     _, _, _, params = model
     state = step.init_state(jax.tree.map(jnp.copy, params))
-    b = batch()
+    b = TrainBatch(**batch())
     old = np.asarray(step.compute_logprobs(state.params, step.place_batch(b)))
-    b.update(old_logprobs=old, ref_logprobs=old, advantages=np.zeros(R, np.float32))
+    b = b.replace(old_logprobs=old, ref_logprobs=old, advantages=np.zeros(R, np.float32))
     _, metrics = step.update(state, step.place_batch(b))
     assert float(metrics["policy_loss"]) == 0.0 and float(metrics["kl_loss"]) == 0.0
     assert float(metrics["entropy"]) > 0.1
