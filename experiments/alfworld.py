@@ -12,8 +12,10 @@ ALFWorld's game files are read from a local folder (``$ALFWORLD_DATA`` or
 other options). LaMer's split trains on four task types and holds out Cool and Pick-Two:
 ``--env.options '{"split": "lamer_train"}'`` adds the ``lamer_heldout`` evaluation.
 
-The ``tiny`` preset only checks the pipeline end to end: a model trained from scratch on a CPU cannot
-read household instructions; use ``small`` or ``paper`` with a local model folder for results.
+The ``paper`` preset evaluates meta-episodes of 10 episodes (the paper reports ALFWorld up to the 10th
+attempt); training plays 3. The ``tiny`` preset only checks the pipeline end to end: a model trained
+from scratch on a CPU cannot read household instructions; use ``small`` or ``paper`` with a local
+model folder for results.
 
 Examples::
 
@@ -26,9 +28,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from experiments.harness import EvalSplit, ExperimentOptions
 from experiments.presets import SINGLE_AGENT, EnvExperiment, scale_presets, tiny_overrides
 from mage_jax import config as C
+from mage_jax.evaluation.evaluator import EvalProtocol, EvalSplit
 
 EXPERIMENT = "alfworld"
 IN_DOMAIN_SPLIT = "valid_seen"
@@ -51,13 +53,13 @@ TINY = tiny_overrides(max_prompt_tokens=2048, max_response_tokens=24, invalid_pe
 PRESETS = scale_presets(ENV, TINY, "alfworld")
 
 
-def options(cfg: C.ExperimentConfig) -> ExperimentOptions:
+def protocol(cfg: C.ExperimentConfig) -> EvalProtocol:
     n = cfg.train.eval_heldout_meta_episodes or cfg.train.eval_meta_episodes
     splits = [EvalSplit(IN_DOMAIN_SPLIT, env_options={"split": IN_DOMAIN_SPLIT}, meta_episodes=n),
               EvalSplit(HELD_OUT_SPLIT, env_options={"split": HELD_OUT_SPLIT}, meta_episodes=n)]
     if cfg.env.options.get("split") == LAMER_TRAIN:
         splits.append(EvalSplit(LAMER_HELD_OUT, env_options={"split": LAMER_HELD_OUT}, meta_episodes=n))
-    return ExperimentOptions(
+    return EvalProtocol(
         extra_splits=tuple(splits),
         random_reference=False,
         headline_split=IN_DOMAIN_SPLIT,
@@ -67,7 +69,7 @@ def options(cfg: C.ExperimentConfig) -> ExperimentOptions:
 SPEC = EnvExperiment(
     name=EXPERIMENT,
     presets=PRESETS,
-    options=options,
+    protocol=protocol,
     titles={"eval": "training games, held-out instances", IN_DOMAIN_SPLIT: "valid_seen (in-domain, Table 1)",
             HELD_OUT_SPLIT: "valid_unseen (held-out)", LAMER_HELD_OUT: "LaMer's held-out task types"},
     description="MAGE on ALFWorld",

@@ -9,7 +9,7 @@
 | react     | none (the pretrained model)                           | N independent attempts, no memory   |
 | reflexion | none (the pretrained model)                           | meta-episodes with reflections      |
 
-A method is applied on top of an environment preset (``experiments.presets.environment``) and
+A method is applied on top of an environment preset (``experiments.environments.environment``) and
 before the command line's own overrides. ReAct and Reflexion evaluate the initial model: at the
 ``tiny`` scale that is an untrained random network (close to a uniformly random legal-move policy
 under constrained decoding), so their tiny numbers only anchor the table; they are meant for the
@@ -31,9 +31,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from experiments.common import Preset, RunOptions, run_cli
-from experiments.harness import ExperimentOptions, results_table
-from experiments.presets import ENVIRONMENT_MODULES, EnvExperiment, environment
+from experiments.environments import environment
+from experiments.presets import EnvExperiment
 from mage_jax import config as C
+from mage_jax.evaluation.evaluator import EvalProtocol
+from mage_jax.evaluation.report import results_table
+from mage_jax.training.run import RunOutcome
 
 SINGLE_EPISODE_GROUP = 24
 
@@ -92,13 +95,13 @@ def method(name: str) -> Method:
 
 def method_presets(env: EnvExperiment, m: Method) -> dict[str, Preset]:
     """The environment's presets with the method's overrides applied on top."""
-    return {name: Preset({**p.overrides, **m.overrides}, f"{p.description}; {m.description}",
-                         p.needs_model_path)
+    return {name: dataclasses.replace(p, overrides={**p.overrides, **m.overrides},
+                                      description=f"{p.description}; {m.description}")
             for name, p in env.presets.items()}
 
 
-def method_options(env: EnvExperiment, m: Method, cfg: C.ExperimentConfig) -> ExperimentOptions:
-    return dataclasses.replace(env.options(cfg), eval_mode=m.eval_mode)
+def method_protocol(env: EnvExperiment, m: Method, cfg: C.ExperimentConfig) -> EvalProtocol:
+    return dataclasses.replace(env.protocol(cfg), eval_mode=m.eval_mode)
 
 
 def method_config(env_name: str, method_name: str, preset: str = "tiny",
@@ -111,12 +114,10 @@ def method_config(env_name: str, method_name: str, preset: str = "tiny",
 
 
 def run_method(env_name: str, method_name: str, cfg: C.ExperimentConfig, *, resume: bool = False,
-               options: ExperimentOptions | None = None) -> dict[str, Any]:
-    """Train and evaluate (or only evaluate) one method on one environment; returns the summary."""
+               protocol: EvalProtocol | None = None) -> RunOutcome:
+    """Train and evaluate (or only evaluate) one method on one environment."""
     env, m = environment(env_name), method(method_name)
-    opts = options or method_options(env, m, cfg)
-    return env.run(cfg, RunOptions(preset=None, run_dir=cfg.logging.run_dir or "", resume=resume),
-                   eval_only=not m.trains, experiment_options=opts)
+    return env.run(cfg, resume=resume, trains=m.trains, protocol=protocol or method_protocol(env, m, cfg))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,15 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except C.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if known.env not in ENVIRONMENT_MODULES:  # pragma: no cover - environment() already checked
-        return 2
-
     def run(cfg: C.ExperimentConfig, options: RunOptions) -> int:
-        summary = run_method(known.env, known.method, cfg, resume=options.resume)
-        if summary.get("status") != "finished":
+        outcome = run_method(known.env, known.method, cfg, resume=options.resume)
+        if outcome.status != "finished":
             print(f"stopped; continue with --run-dir {options.run_dir} --resume", file=sys.stderr)
             return 0
-        print(results_table(summary, env.titles))
+        print(results_table(outcome.summary, env.titles))
         return 0
 
     return run_cli(rest, run, experiment=f"{known.env}_{known.method}", presets=method_presets(env, m),

@@ -36,11 +36,26 @@ class Preset:
 
     ``needs_model_path``: the preset loads a pretrained model (``small``, ``paper``), so a missing
     ``model.path`` is a configuration error with a hint instead of a failure deep in the run.
+    ``requires``: a further check of the resolved config (e.g. WebShop's ``paper`` preset needs the
+    official data files); it raises one ``ConfigError`` before anything is written.
     """
 
     overrides: Mapping[str, Any]
     description: str = ""
     needs_model_path: bool = False
+    requires: Callable[[C.ExperimentConfig], None] | None = None
+
+    def check(self, name: str, cfg: C.ExperimentConfig, *, check_paths: bool = True) -> None:
+        """Raise one ``ConfigError`` when ``cfg`` lacks what preset ``name`` needs (the model folder
+        first, then the general validation, then ``requires``)."""
+        if self.needs_model_path and cfg.model.path is None:
+            raise C.ConfigError(
+                f"preset {name!r} loads a pretrained model: pass its local Hugging Face folder with "
+                "--model-path DIR (config.json, *.safetensors, tokenizer files)")
+        if self.requires is not None:
+            C.validate(cfg, check_paths=check_paths)
+            if check_paths:
+                self.requires(cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +171,8 @@ def parse_command_line(
     if run_dir is None:
         run_dir = cfg.logging.run_dir or default_run_dir(experiment)
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir=run_dir))
-    if preset_name is not None and presets[preset_name].needs_model_path and cfg.model.path is None:
-        raise C.ConfigError(
-            f"preset {preset_name!r} loads a pretrained model: pass its local Hugging Face folder with "
-            "--model-path DIR (config.json, *.safetensors, tokenizer files)")
+    if preset_name is not None:
+        presets[preset_name].check(preset_name, cfg)
     C.validate(cfg)
     if not args.resume and os.path.exists(os.path.join(run_dir, C.CONFIG_FILE)):
         raise C.ConfigError(f"run directory {run_dir!r} already holds a run; pass --resume to continue it "

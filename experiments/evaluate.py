@@ -24,14 +24,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
+from experiments.baselines import method as get_method
+from experiments.baselines import method_config, method_protocol
 from experiments.common import EXIT_CONFIG_ERROR, ConfigErrorParser, split_dotted
+from experiments.environments import environment
 from mage_jax import config as C
+from mage_jax.evaluation.evaluator import EvalProtocol
+from mage_jax.evaluation.report import results_table
+from mage_jax.training.assemble import build_parts, checkpoint_dir, evaluation_key
+from mage_jax.training.checkpoint import key_from_json
+from mage_jax.training.run import RunOutcome, evaluate
 
 ZERO_SHOT_METHODS = ("react", "reflexion")
 
@@ -56,70 +65,36 @@ def _timestamp() -> str:
 
 
 def evaluate_checkpoint(run_dir: str, *, step: int | None = None, out_dir: str | None = None,
-                        overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Evaluate the parameters of a run's checkpoint; writes and returns ``summary.json``'s content."""
-    import jax
-
-    from experiments.harness import make_evaluator
-    from experiments.presets import environment
-    from mage_jax.logging import MetricsLogger, to_jsonable
-    from mage_jax.training.trainer import SUMMARY_FILE, build_parts, checkpoint_dir, flat_eval, restore_params
-
+                        overrides: dict[str, Any] | None = None) -> RunOutcome:
+    """Evaluate the parameters of a run's checkpoint with its environment's protocol; writes
+    ``summary.json`` in ``out_dir``."""
     if not os.path.isfile(os.path.join(run_dir, C.CONFIG_FILE)):
         raise C.ConfigError(f"--checkpoint {run_dir!r} holds no {C.CONFIG_FILE}; pass a run directory")
     cfg = C.apply_overrides(C.load(run_dir), overrides or {})
     out_dir = out_dir or os.path.join(run_dir, f"eval-{_timestamp()}")
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir=out_dir))
     C.validate(cfg)
-    parts = build_parts(cfg, run_dir)  # the run's own tokenizer
-    params, meta = restore_params(parts, checkpoint_dir(cfg, run_dir), step)
     try:
-        options = environment(cfg.env.name).options(cfg)
-    except C.ConfigError:
-        from experiments.harness import ExperimentOptions
-
-        options = ExperimentOptions(random_reference=False)
-    evaluator = make_evaluator(parts, options, progress=cfg.logging.progress)
-    from mage_jax.training.checkpoint import key_from_json
-    from mage_jax.training.trainer import evaluation_key
-
+        protocol = environment(cfg.env.name).protocol(cfg)
+    except C.ConfigError:  # an environment without an experiment module: the built-in splits only
+        protocol = EvalProtocol(random_reference=False)
+    parts = build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)  # the run's own tokenizer
+    params, meta = parts.restore_params(checkpoint_dir(cfg, run_dir), step)
     iteration = int(meta.get("iteration", 0))
     base_key = key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(cfg.train.seed)
-    results = evaluator.evaluate(params, evaluation_key(base_key, iteration), heldout=True)
-    os.makedirs(out_dir, exist_ok=True)
-    C.save(cfg, out_dir)
-    with MetricsLogger(out_dir, config=C.to_dict(cfg)) as logger:
-        for split, flat in flat_eval(results).items():
-            logger.log(iteration, flat, split=split)
-    summary = {
-        "experiment": f"{cfg.name}_eval",
-        "status": "finished",
-        "iterations": iteration,
-        "checkpoint": os.path.abspath(run_dir),
-        "run_dir": os.path.abspath(out_dir),
-        "evaluation": {split: {"metrics": b["metrics"], "reference": b["reference"]}
-                       for split, b in results.items()},
-    }
-    with open(os.path.join(out_dir, SUMMARY_FILE), "w") as f:
-        json.dump(to_jsonable(summary), f, indent=1)
-    return summary
+    return evaluate(cfg, protocol, experiment=f"{cfg.name}_eval", parts=parts, params=params,
+                    key=evaluation_key(base_key, iteration), iteration=iteration,
+                    checkpoint=os.path.abspath(run_dir))
 
 
 def evaluate_zero_shot(model_path: str, *, env: str, method: str, preset: str, out_dir: str | None,
-                       overrides: dict[str, Any]) -> dict[str, Any]:
+                       overrides: dict[str, Any]) -> RunOutcome:
     """ReAct / Reflexion: the pretrained model of ``model_path`` evaluated without training."""
-    from experiments.baselines import method as get_method
-    from experiments.baselines import method_config, method_options
-    from experiments.harness import evaluate_only
-    from experiments.presets import environment
-
     out_dir = out_dir or os.path.join("runs", f"{env}_{method}", _timestamp())
     cfg = method_config(env, method, preset,
                         {**overrides, "model.path": model_path, "logging.run_dir": out_dir})
-    options = method_options(environment(env), get_method(method), cfg)
-    summary = evaluate_only(cfg, options, experiment=f"{env}_{method}")
-    summary.pop("parts", None)
-    return summary
+    return evaluate(cfg, method_protocol(environment(env), get_method(method), cfg),
+                    experiment=f"{env}_{method}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,19 +107,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         overrides = dict([C.parse_assignment(s) for s in args.sets] + dotted)
         if args.checkpoint:
-            summary = evaluate_checkpoint(args.checkpoint, step=args.step, out_dir=args.out,
+            outcome = evaluate_checkpoint(args.checkpoint, step=args.step, out_dir=args.out,
                                           overrides=overrides)
         else:
             if not os.path.isdir(args.model_path):
                 raise C.ConfigError(f"--model-path {args.model_path!r} is not a folder")
-            summary = evaluate_zero_shot(args.model_path, env=args.env, method=args.method,
+            outcome = evaluate_zero_shot(args.model_path, env=args.env, method=args.method,
                                          preset=args.preset, out_dir=args.out, overrides=overrides)
     except C.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    from experiments.harness import results_table
-
-    print(results_table(summary))
+    print(results_table(outcome.summary, environment(outcome.parts.cfg.env.name).titles))
     return 0
 
 

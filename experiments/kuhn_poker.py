@@ -56,12 +56,11 @@ Every flag of ``experiments.common`` applies (``--set KEY=VALUE``, ``--KEY VALUE
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from experiments.common import Preset, RunOptions, run_cli
-from experiments.presets import paper_overrides, small_overrides
-from mage_jax import config as C
+from experiments.common import Preset
+from experiments.presets import EnvExperiment, paper_overrides, small_overrides
+from mage_jax.evaluation.evaluator import EvalProtocol
 
 EXPERIMENT = "kuhn_poker"
 
@@ -126,73 +125,18 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-# ----------------------------------------------------------------------------------------------
-# the final table
-
-
-def _fmt(x: Any, signed: bool = False) -> str:
-    if x is None:
-        return "-"
-    return f"{x:+.3f}" if signed else f"{x:.3f}"
-
-
-def results_table(summary: Mapping[str, Any]) -> str:
-    """success@k and payoff@k per episode and per opponent next to the oracle references."""
-    lines: list[str] = []
-    evaluation = summary.get("evaluation", {})
-    titles = {"eval": "training pool (held-out deals, mixed seats)",
-              "heldout": "held-out CFR opponent (agent second)"}
-    for split, block in evaluation.items():
-        metrics, ref = block["metrics"], block.get("reference")
-        K = metrics["num_episodes"]
-        lines.append(f"== {titles.get(split, split)}: {metrics['num_meta_episodes']} meta-episodes ==")
-        groups = [("all", metrics, ref)]
-        if len(metrics.get("by_opponent", {})) > 1:
-            for name, sub in metrics["by_opponent"].items():
-                groups.append((name, sub, (ref or {}).get("by_opponent", {}).get(name)))
-        header = (f"{'opponent':<13}{'k':>2}  {'success':>8}{'ceiling':>8}{'random':>8}{'bestfix':>8}"
-                  f"  {'payoff':>8}{'random':>8}{'bestfix':>8}{'bound':>8}")
-        lines.append(header)
-        for name, sub, r in groups:
-            curves = sub["curves"]
-            for k in range(K):
-                def ref_at(key: str, k: int = k, r: Mapping[str, Any] | None = r) -> Any:
-                    return None if not r else r[key][k]
-
-                lines.append(
-                    f"{name:<13}{k:>2}  {_fmt(curves['success'][k]):>8}"
-                    f"{_fmt(None if not r else r['winnable']):>8}{_fmt(ref_at('random_success')):>8}"
-                    f"{_fmt(ref_at('best_fixed_by_success_success')):>8}"
-                    f"  {_fmt(curves['payoff'][k], True):>8}{_fmt(ref_at('random_payoff'), True):>8}"
-                    f"{_fmt(ref_at('best_fixed_payoff'), True):>8}"
-                    f"{_fmt(ref_at('adaptive_payoff_bound'), True):>8}"
-                )
-    lines.append("ceiling = winnable share; bestfix success = best pure non-adaptive strategy by wins, "
-                 "bestfix payoff = best by payoff; bound = best adaptive payoff (oracle). Payoff in "
-                 "chips.\nAll references are exact oracle values on the same meta-episodes; on a "
-                 "per-opponent row the best fixed strategy is the best one against that opponent alone "
-                 "(it knows the opponent).")
-    if "wall_seconds" in summary:
-        lines.append(f"wall time {summary['wall_seconds']:.0f} s, {summary.get('iterations')} iterations, "
-                     f"run dir {summary.get('run_dir')}")
-    return "\n".join(lines)
-
-
-def run(cfg: C.ExperimentConfig, options: RunOptions) -> int:
-    from mage_jax.training.trainer import train
-
-    result = train(cfg, resume=options.resume, experiment=EXPERIMENT)
-    if result.status != "finished":
-        print(f"stopped at iteration {result.iteration}; checkpoint saved. Continue with: "
-              f"python -m experiments.{EXPERIMENT} --run-dir {result.run_dir} --resume", file=sys.stderr)
-        return 0
-    print(results_table(result.summary))
-    return 0
+SPEC = EnvExperiment(
+    name=EXPERIMENT,
+    presets=PRESETS,
+    protocol=lambda cfg: EvalProtocol(random_reference=False),  # the exact oracle gives the references
+    titles={"eval": "training pool (held-out deals, mixed seats)",
+            "heldout": "held-out CFR opponent (agent second)"},
+    description="MAGE on Kuhn Poker",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(argv, run, experiment=EXPERIMENT, presets=PRESETS, default_preset="tiny",
-                   description=__doc__.split("\n\n")[0])
+    return SPEC.main(argv)
 
 
 if __name__ == "__main__":

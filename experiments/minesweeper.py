@@ -16,9 +16,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from experiments.harness import ExperimentOptions
 from experiments.presets import SINGLE_AGENT, EnvExperiment, scale_presets, tiny_overrides
 from mage_jax import config as C
+from mage_jax.evaluation.evaluator import EvalProtocol
 
 EXPERIMENT = "minesweeper"
 
@@ -37,14 +37,14 @@ TINY = tiny_overrides(max_prompt_tokens=1024, max_response_tokens=10, invalid_pe
 PRESETS = scale_presets(ENV, TINY, "minesweeper")
 
 
-def options(cfg: C.ExperimentConfig) -> ExperimentOptions:
-    return ExperimentOptions()
+def protocol(cfg: C.ExperimentConfig) -> EvalProtocol:
+    return EvalProtocol()
 
 
 SPEC = EnvExperiment(
     name=EXPERIMENT,
     presets=PRESETS,
-    options=options,
+    protocol=protocol,
     titles={"eval": "held-out boards"},
     description="MAGE on MineSweeper",
 )

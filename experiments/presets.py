@@ -13,21 +13,23 @@ Scales (``--preset``):
 
 ``EnvExperiment`` bundles what the experiment modules, ``experiments.baselines``, the ablations and
 ``experiments.table1`` need to know about one environment: its presets, its evaluation protocol
-(``ExperimentOptions``: extra held-out splits, which split is the paper's table entry) and the titles
-of its splits. ``environment(name)`` returns it for every environment, Kuhn Poker included.
+(``EvalProtocol``: extra held-out splits, references, which split is the paper's table entry) and the
+titles of its splits. Every environment module defines one as ``SPEC``;
+``experiments.environments.environment(name)`` looks them up, Kuhn Poker included.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from experiments.common import Preset, RunOptions, run_cli
-from experiments.harness import ExperimentOptions, evaluate_only, results_table, run_experiment
 from mage_jax import config as C
+from mage_jax.evaluation.evaluator import EvalProtocol
+from mage_jax.evaluation.report import results_table
+from mage_jax.training.run import RunOutcome, evaluate, train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +46,17 @@ class PaperSettings:
     length_penalty: float
     invalid_penalty: float
     gamma_traj: float
+    eval_num_episodes: int = 3
+    """Episodes per evaluation meta-episode: the paper reports ALFWorld up to the 10th attempt and
+    WebShop by the 5th (spec section 2: evaluation may run more episodes than training)."""
 
 
 PAPER_SETTINGS: dict[str, PaperSettings] = {
     "kuhn_poker": PaperSettings(16, 8, 150, 6, 4096, 8192, True, 2.0, 2.0, 0.6),
     "tic_tac_toe": PaperSettings(16, 8, 150, 8, 4096, 3072, True, 2.0, 0.5, 0.6),
-    "alfworld": PaperSettings(8, 8, 150, 10, 4096, 1024, False, 0.0, 0.5, 0.6),
+    "alfworld": PaperSettings(8, 8, 150, 10, 4096, 1024, False, 0.0, 0.5, 0.6, eval_num_episodes=10),
     "sokoban": PaperSettings(16, 8, 300, 7, 4096, 4096, False, 1.0, 0.5, 0.9),
-    "webshop": PaperSettings(8, 8, 150, 12, 8192, 1024, False, 0.0, 0.5, 0.6),
+    "webshop": PaperSettings(8, 8, 150, 12, 8192, 1024, False, 0.0, 0.5, 0.6, eval_num_episodes=5),
     # MineSweeper is a LaMer task; the paper gives no column, so it follows Sokoban's single-agent recipe.
     "minesweeper": PaperSettings(16, 8, 300, 7, 4096, 4096, False, 1.0, 0.5, 0.6),
 }
@@ -101,6 +106,8 @@ def _pretrained(env: str, *, privileged_reflection: bool = False) -> dict[str, A
     return {
         "tokenizer.kind": "hf",
         "tokenizer.enable_thinking": True,
+        # Every decoder block recomputed in the backward pass: activations of one block at a time.
+        "model.overrides": {"remat": "full"},
         "rollout.num_episodes": 3,
         "rollout.memory_mode": "reflection_only",
         "rollout.reflect": True,
@@ -145,6 +152,7 @@ def paper_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
         "rollout.max_prompt_tokens": p.max_prompt_tokens,
         "rollout.max_response_tokens": p.max_response_tokens,
         "train.iterations": p.iterations,
+        "train.eval_num_episodes": p.eval_num_episodes,
         "mesh.data": 1,
         "mesh.fsdp": -1,
     }
@@ -179,7 +187,8 @@ class EnvExperiment:
 
     name: str
     presets: Mapping[str, Preset]
-    options: Callable[[C.ExperimentConfig], ExperimentOptions]
+    protocol: Callable[[C.ExperimentConfig], EvalProtocol]
+    """How a config of this environment is evaluated (extra splits, references, headline split)."""
     titles: Mapping[str, str] = dataclasses.field(default_factory=dict)
     description: str = ""
     default_preset: str = "tiny"
@@ -194,65 +203,29 @@ class EnvExperiment:
         p = self.presets[preset]
         cfg = C.apply_overrides(C.ExperimentConfig(name=experiment or self.name), p.overrides)
         cfg = C.apply_overrides(cfg, dict(overrides or {}))
-        if p.needs_model_path and cfg.model.path is None:
-            raise C.ConfigError(
-                f"preset {preset!r} loads a pretrained model: pass its local Hugging Face folder with "
-                "--model-path DIR (config.json, *.safetensors, tokenizer files)")
+        p.check(preset, cfg, check_paths=check_paths)
         return C.validate(cfg, check_paths=check_paths)
 
-    def run(self, cfg: C.ExperimentConfig, options: RunOptions | None = None, *,
-            eval_only: bool = False, experiment_options: ExperimentOptions | None = None) -> dict[str, Any]:
-        """Train (or only evaluate) ``cfg``; returns the summary (``summary["trainer"]`` when trained)."""
-        opts = experiment_options or self.options(cfg)
-        if eval_only:
-            return evaluate_only(cfg, opts, experiment=cfg.name)
-        result = run_experiment(cfg, opts, resume=bool(options and options.resume), experiment=cfg.name)
-        summary = dict(result.summary)
-        summary["trainer"] = result.trainer
-        return summary
+    def run(self, cfg: C.ExperimentConfig, *, resume: bool = False, trains: bool = True,
+            protocol: EvalProtocol | None = None) -> RunOutcome:
+        """Train (or, with ``trains=False``, only evaluate the initial model of) ``cfg``."""
+        protocol = protocol or self.protocol(cfg)
+        if not trains:
+            return evaluate(cfg, protocol, experiment=cfg.name)
+        return train(cfg, protocol, resume=resume, experiment=cfg.name)
 
     def main(self, argv: Sequence[str] | None = None) -> int:
+        """``python -m experiments.<name>``: parse, train, print the results table."""
+
         def run(cfg: C.ExperimentConfig, options: RunOptions) -> int:
-            summary = self.run(cfg, options)
-            if summary.get("status") != "finished":
-                print(f"stopped at iteration {summary.get('iteration')}; continue with: python -m "
-                      f"experiments.{self.name} --run-dir {options.run_dir} --resume", file=sys.stderr)
+            outcome = self.run(cfg, resume=options.resume)
+            if outcome.status != "finished":
+                print(f"stopped at iteration {outcome.summary.get('iteration')}; checkpoint saved. Continue "
+                      f"with: python -m experiments.{self.name} --run-dir {options.run_dir} --resume",
+                      file=sys.stderr)
                 return 0
-            print(results_table(summary, self.titles))
+            print(results_table(outcome.summary, self.titles))
             return 0
 
         return run_cli(argv, run, experiment=self.name, presets=self.presets,
                        default_preset=self.default_preset, description=self.description)
-
-
-ENVIRONMENT_MODULES = {
-    "kuhn_poker": "experiments.presets",
-    "tic_tac_toe": "experiments.tic_tac_toe",
-    "sokoban": "experiments.sokoban",
-    "minesweeper": "experiments.minesweeper",
-    "alfworld": "experiments.alfworld",
-    "webshop": "experiments.webshop",
-}
-
-
-def environment(name: str) -> EnvExperiment:
-    """The ``EnvExperiment`` of an environment (its module is imported on demand)."""
-    if name not in ENVIRONMENT_MODULES:
-        raise C.ConfigError(f"unknown environment {name!r}; known: {', '.join(ENVIRONMENT_MODULES)}")
-    if name == "kuhn_poker":
-        return kuhn_experiment()
-    return importlib.import_module(ENVIRONMENT_MODULES[name]).SPEC
-
-
-def kuhn_experiment() -> EnvExperiment:
-    """Kuhn Poker's presets come from ``experiments.kuhn_poker``; its oracle gives the references."""
-    from experiments import kuhn_poker
-
-    return EnvExperiment(
-        name="kuhn_poker",
-        presets=kuhn_poker.PRESETS,
-        options=lambda cfg: ExperimentOptions(random_reference=False),
-        titles={"eval": "training pool (held-out deals, mixed seats)",
-                "heldout": "held-out CFR opponent (agent second)"},
-        description="MAGE on Kuhn Poker",
-    )

@@ -17,9 +17,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from experiments.harness import EvalSplit, ExperimentOptions
 from experiments.presets import SINGLE_AGENT, EnvExperiment, scale_presets, tiny_overrides
 from mage_jax import config as C
+from mage_jax.evaluation.evaluator import EvalProtocol, EvalSplit
 
 EXPERIMENT = "sokoban"
 
@@ -38,9 +38,9 @@ TINY = tiny_overrides(max_prompt_tokens=1024, max_response_tokens=10, invalid_pe
 PRESETS = scale_presets(ENV, TINY, "sokoban")
 
 
-def options(cfg: C.ExperimentConfig) -> ExperimentOptions:
+def protocol(cfg: C.ExperimentConfig) -> EvalProtocol:
     n = cfg.train.eval_heldout_meta_episodes or cfg.train.eval_meta_episodes
-    return ExperimentOptions(extra_splits=(
+    return EvalProtocol(extra_splits=(
         EvalSplit("boxes_1", env_options={"num_boxes": 1}, meta_episodes=n),
         EvalSplit("boxes_3", env_options={"num_boxes": 3}, meta_episodes=n),
     ))
@@ -49,7 +49,7 @@ def options(cfg: C.ExperimentConfig) -> ExperimentOptions:
 SPEC = EnvExperiment(
     name=EXPERIMENT,
     presets=PRESETS,
-    options=options,
+    protocol=protocol,
     titles={"eval": "held-out 2-box rooms (Table 1)", "boxes_1": "held-out 1-box rooms",
             "boxes_3": "held-out 3-box rooms"},
     description="MAGE on Sokoban",

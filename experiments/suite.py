@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -23,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from experiments.common import ConfigErrorParser, split_dotted
-from experiments.harness import ExperimentOptions
 from experiments.presets import EnvExperiment
 from mage_jax import config as C
-
-SUMMARY_FILE = "summary.json"
+from mage_jax.evaluation.evaluator import EvalProtocol
+from mage_jax.evaluation.plots import _pyplot
+from mage_jax.evaluation.report import load_summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +35,8 @@ class Variant:
 
     name: str
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """Fields of ``ExperimentOptions`` to replace (e.g. ``{"eval_pool": {...}}``)."""
+    protocol: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Fields of the environment's ``EvalProtocol`` to replace (e.g. ``{"eval_pool": {...}}``)."""
     trains: bool = True
     label: str = ""
 
@@ -56,14 +55,6 @@ def run_dir_of(out_dir: str, variant: str, seed: int) -> str:
     return os.path.join(out_dir, variant, f"seed{seed}")
 
 
-def load_summary(run_dir: str) -> dict[str, Any] | None:
-    path = os.path.join(run_dir, SUMMARY_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
 def variant_config(env: EnvExperiment, variant: Variant, preset: str, seed: int, run_dir: str,
                    overrides: Mapping[str, Any], *, check_paths: bool = True) -> C.ExperimentConfig:
     """Preset, then the variant, then the command line's overrides; the seed and run dir last."""
@@ -73,16 +64,14 @@ def variant_config(env: EnvExperiment, variant: Variant, preset: str, seed: int,
                       experiment=f"{env.name}_{variant.name}")
 
 
-def variant_options(env: EnvExperiment, variant: Variant, cfg: C.ExperimentConfig) -> ExperimentOptions:
-    return dataclasses.replace(env.options(cfg), **dict(variant.options))
+def variant_protocol(env: EnvExperiment, variant: Variant, cfg: C.ExperimentConfig) -> EvalProtocol:
+    return dataclasses.replace(env.protocol(cfg), **dict(variant.protocol))
 
 
 def run_suite(env: EnvExperiment, variants: Sequence[Variant], *, preset: str, seeds: Sequence[int],
               out_dir: str, overrides: Mapping[str, Any] | None = None, collect_only: bool = False,
               log: Callable[[str], None] = print) -> list[RunRecord]:
     """Run (or collect) every variant × seed, one at a time."""
-    from experiments.harness import evaluate_only, run_experiment
-
     overrides = dict(overrides or {})
     records = []
     for variant in variants:
@@ -96,7 +85,7 @@ def run_suite(env: EnvExperiment, variants: Sequence[Variant], *, preset: str, s
                 records.append(RunRecord(variant.name, seed, run_dir, None, "missing"))
                 continue
             cfg = variant_config(env, variant, preset, seed, run_dir, overrides)
-            options = variant_options(env, variant, cfg)
+            protocol = variant_protocol(env, variant, cfg)
             resume = os.path.isfile(os.path.join(run_dir, C.CONFIG_FILE))
             if resume:
                 saved = C.load(run_dir)
@@ -105,14 +94,11 @@ def run_suite(env: EnvExperiment, variants: Sequence[Variant], *, preset: str, s
                                         "remove it or choose another --out-dir")
             log(f"[suite] {variant.name} seed {seed}: {'resuming' if resume else 'running'} in {run_dir}")
             start = time.perf_counter()
-            if variant.trains:
-                result = run_experiment(cfg, options, resume=resume, experiment=cfg.name)
-                if result.status != "finished":
-                    records.append(RunRecord(variant.name, seed, run_dir, None, "failed"))
-                    log(f"[suite] {variant.name} seed {seed}: stopped ({result.status})")
-                    return records
-            else:
-                evaluate_only(cfg, options, experiment=cfg.name)
+            outcome = env.run(cfg, resume=resume, trains=variant.trains, protocol=protocol)
+            if outcome.status != "finished":
+                records.append(RunRecord(variant.name, seed, run_dir, None, "failed"))
+                log(f"[suite] {variant.name} seed {seed}: stopped ({outcome.status})")
+                return records
             summary = load_summary(run_dir)
             log(f"[suite] {variant.name} seed {seed}: done in {time.perf_counter() - start:.0f} s")
             records.append(RunRecord(variant.name, seed, run_dir, summary, "ran"))
@@ -244,8 +230,6 @@ def markdown_table(aggregates: Mapping[str, Aggregate], *, paper: Mapping[str, s
 def plot_aggregates(aggregates: Mapping[str, Aggregate], path: str, *, title: str = "",
                     labels: Mapping[str, str] | None = None) -> str:
     """Two panels (success@k, payoff@k against the episode), one line per variant with SE bars."""
-    from mage_jax.evaluation.plots import _pyplot
-
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     ref = next(iter(aggregates.values())).reference or {} if aggregates else {}

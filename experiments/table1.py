@@ -28,7 +28,7 @@ from typing import Any
 
 from experiments.baselines import METHODS, PAPER_TABLE1
 from experiments.common import ConfigErrorParser, split_dotted
-from experiments.presets import ENVIRONMENT_MODULES, environment
+from experiments.environments import ENVIRONMENTS, environment
 from experiments.suite import (
     Aggregate,
     RunRecord,
@@ -121,7 +121,7 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--collect-only", action="store_true")
     args = p.parse_args(rest)
-    envs = _csv(args.envs, list(ENVIRONMENT_MODULES), "--envs")
+    envs = _csv(args.envs, list(ENVIRONMENTS), "--envs")
     methods = _csv(args.methods, list(METHODS), "--methods")
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -143,7 +143,7 @@ def _main(argv: Sequence[str] | None) -> int:
         out = os.path.join(args.out_dir, e)
         records = run_suite(spec, variants, preset=args.preset, seeds=seeds, out_dir=out, overrides=overrides,
                             collect_only=args.collect_only)
-        headline = spec.options(spec.config(args.preset, overrides, check_paths=False)).headline_split
+        headline = spec.protocol(spec.config(args.preset, overrides, check_paths=False)).headline_split
         results[e] = aggregate(records, headline)
         paper = {m: f"{PAPER_TABLE1[m][e]:.3f}" for m in methods if e in PAPER_TABLE1.get(m, {})}
         details.append(markdown_table(results[e], paper=paper, title=f"{e} — split {headline}"))

@@ -25,10 +25,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from experiments.harness import EvalSplit, ExperimentOptions
 from experiments.presets import EnvExperiment, scale_presets, tiny_overrides
 from mage_jax import config as C
 from mage_jax.envs.opponents.tic_tac_toe import TIC_TAC_TOE_TRAINING_POOL
+from mage_jax.evaluation.evaluator import EvalProtocol, EvalSplit
 
 EXPERIMENT = "tic_tac_toe"
 
@@ -53,9 +53,9 @@ TINY = {**tiny_overrides(max_prompt_tokens=1024, max_response_tokens=10, invalid
 PRESETS = scale_presets(ENV, TINY, "tic_tac_toe")
 
 
-def options(cfg: C.ExperimentConfig) -> ExperimentOptions:
+def protocol(cfg: C.ExperimentConfig) -> EvalProtocol:
     n = cfg.train.eval_heldout_meta_episodes or cfg.train.eval_meta_episodes
-    return ExperimentOptions(
+    return EvalProtocol(
         extra_splits=(EvalSplit("mcts100_first", opponent="mcts-100", seat="first", meta_episodes=n),),
         headline_split="mcts100_first",
     )
@@ -64,7 +64,7 @@ def options(cfg: C.ExperimentConfig) -> ExperimentOptions:
 SPEC = EnvExperiment(
     name=EXPERIMENT,
     presets=PRESETS,
-    options=options,
+    protocol=protocol,
     titles={"eval": "training pool (held-out instances, mixed seats)",
             "mcts100_first": "MCTS-100, agent first (in-domain, Table 1)",
             "heldout": "held-out MCTS-1000, agent first (report the draw rate)"},

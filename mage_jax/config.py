@@ -24,11 +24,37 @@ import os
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, Literal, Union
+
+from mage_jax.algorithms import advantages
+from mage_jax.algorithms.advantages import ANCHOR_MODES, NORM_MODES
+from mage_jax.algorithms.losses import AGG_MODES, KL_KINDS
+from mage_jax.algorithms.returns import REWARD_DESIGNS
+from mage_jax.envs.prompts import MEMORY_MODES, STYLES
+from mage_jax.models.config import DTYPES
+from mage_jax.models.sharding import MeshConfig
+from mage_jax.rollout.tasks import GROUPINGS, SEAT_MODES
+from mage_jax.training.train_step import LR_DECAYS
 
 
 class ConfigError(ValueError):
     """A bad configuration; the message is one line that names the offending key."""
+
+
+# Choice types: the allowed values are defined once, by the module that uses the setting, and checked
+# here for every field of a Literal type (when an override is parsed and again in ``validate``).
+SeatMode = Literal[SEAT_MODES]
+Grouping = Literal[GROUPINGS]
+ActivationDtype = Literal[tuple(d for d in DTYPES if d != "float16")]
+TokenizerKind = Literal["hf", "word_level"]
+MemoryMode = Literal[MEMORY_MODES]
+PromptStyle = Literal[STYLES]
+RewardDesign = Literal[REWARD_DESIGNS]
+AnchorMode = Literal[ANCHOR_MODES]
+NormMode = Literal[NORM_MODES]
+LrDecay = Literal[LR_DECAYS]
+KlKind = Literal[tuple(KL_KINDS)]
+Aggregation = Literal[AGG_MODES]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -42,18 +68,22 @@ class EnvConfig:
     name: str = "kuhn_poker"
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Keyword arguments of ``make_env`` (e.g. ``max_turns``)."""
+    data_dir: str | None = None
+    """Local folder of the environment's data files (ALFWorld's game files, WebShop's official product
+    and instruction files), given to the environment as its ``data_dir`` option; None: the
+    environment's default (``$ALFWORLD_DATA``; WebShop's generated catalogue)."""
     opponents: tuple[str, ...] = ("conservative", "aggressive", "intermediate")
     opponent_ratios: tuple[float, ...] = (0.3, 0.3, 0.4)
-    seats: str = "mixed"
+    seats: SeatMode = "mixed"
     """``mixed`` (agent second in half the meta-episodes), ``first`` or ``second``."""
-    grouping: str = "stationary"
+    grouping: Grouping = "stationary"
     """``stationary``: one opponent per group; ``mixed``: opponents mixed inside a group (ablation)."""
     eval_seed: int = 1_000_003
     """Seed of the held-out evaluation instances (disjoint from training seeds; independent of
     ``train.seed``, so runs with different seeds are evaluated on the same instances)."""
     heldout_opponent: str | None = "cfr"
     """Extra held-out evaluation opponent (None: none)."""
-    heldout_seat: str = "second"
+    heldout_seat: SeatMode = "second"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +95,7 @@ class ModelSection:
     """Local Hugging Face folder (config.json + safetensors). When set, it wins over ``preset``."""
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     """ModelConfig field overrides for from-scratch models (e.g. ``{"num_layers": 2}``)."""
-    dtype: str = "float32"
+    dtype: ActivationDtype = "float32"
     """Activation dtype (``float32`` or ``bfloat16``); parameters stay float32 for the optimiser."""
     init_seed: int | None = None
     """Seed of the random initialisation of a from-scratch model; None: ``train.seed``."""
@@ -73,7 +103,7 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerConfig:
-    kind: str = "hf"
+    kind: TokenizerKind = "hf"
     """``hf``: a local folder's HF tokenizer; ``word_level``: the built-in one for from-scratch models."""
     path: str | None = None
     """HF tokenizer folder; defaults to ``model.path``."""
@@ -110,10 +140,10 @@ class RolloutConfig:
     """Meta-episodes per iteration; optional, must equal num_tasks * group_size when given."""
     num_episodes: int = 3
     """N."""
-    memory_mode: str = "reflection_only"
+    memory_mode: MemoryMode = "reflection_only"
     reflect: bool = True
     """Run the reflect phase between episodes (off: memory comes from trajectories only)."""
-    prompt_style: str = "full"
+    prompt_style: PromptStyle = "full"
     constrained_actions: bool = False
     """Constrain play responses to the legal ``<action>...</action>`` strings (and the log-prob recompute)."""
     max_prompt_tokens: int = 4096
@@ -130,11 +160,6 @@ class RolloutConfig:
     """Training reflect prompts show the environment's privileged text (Kuhn's both-cards quirk, spec 7.1)."""
 
 
-ADVANTAGE_ESTIMATORS = ("gigpo", "grpo", "rloo")
-REWARD_DESIGNS = ("differential", "cumulative", "single_episode")
-MEMORY_MODES = ("reflection_only", "history_only", "history_and_reflection")
-
-
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
     """Credit assignment: reward design, returns, advantage estimator (spec sections 4 and 5).
@@ -144,22 +169,19 @@ class AlgorithmConfig:
     """
 
     estimator: str = "gigpo"
-    reward: str = "differential"
-    anchor: str = "global"
+    """A name of the advantages registry (``algorithms.advantages``; custom estimators may register)."""
+    reward: RewardDesign = "differential"
+    anchor: AnchorMode = "global"
     """``global`` (pool identical states across episodes) or ``local`` (ablation)."""
     gamma_step: float = 0.95
     gamma_traj: float = 0.6
     step_weight: float = 1.0
     """omega: weight of GiGPO's step term."""
-    norm: str = "mean_norm"
+    norm: NormMode = "mean_norm"
     """``mean_norm`` or ``mean_std_norm``."""
     invalid_penalty: float = 2.0
     length_penalty: float = 2.0
     """c_len; 0 disables the overlong-response penalty."""
-
-
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-KL_KINDS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +194,7 @@ class OptimConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     warmup_steps: int = 0
-    lr_decay: str = "constant"
+    lr_decay: LrDecay = "constant"
     """Decay of the learning rate over the iterations: ``constant`` (the paper), ``linear`` or ``cosine``."""
     lr_end_fraction: float = 0.0
     """Learning rate at the last iteration, as a fraction of ``lr`` (linear / cosine decay)."""
@@ -183,9 +205,9 @@ class OptimConfig:
     entropy_coef: float = 0.001
     kl_coef: float = 0.1
     """0 disables the KL term (and the frozen reference model)."""
-    kl_kind: str = "k3"
+    kl_kind: KlKind = "k3"
     """KL estimator (k3 is clamped to [-10, 10] by ``losses.kl_penalty``)."""
-    aggregation: str = "token-mean"
+    aggregation: Aggregation = "token-mean"
     group_by_length: bool = True
     """Mini-batches of rows of similar length (shuffled blocks): each needs only its own length bucket."""
     logprob_chunk: int = 512
@@ -229,15 +251,6 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Device mesh axes; -1 on one axis takes all remaining devices."""
-
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     name: str = "kuhn_poker"
     env: EnvConfig = EnvConfig()
@@ -250,7 +263,9 @@ class ExperimentConfig:
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
-    mesh: MeshConfig = MeshConfig()
+    mesh: MeshConfig = MeshConfig(data=-1, fsdp=1, tensor=1)
+    """The device mesh (``models.sharding.MeshConfig``); by default rows over all devices (data
+    parallel), the ``paper`` presets shard parameters over all devices instead (``fsdp=-1``)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,6 +295,8 @@ def _type_name(tp: Any) -> str:
         return f"{_type_name(inner)} or none"
     if typing.get_origin(tp) is tuple:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
     if typing.get_origin(tp) is dict or tp is dict:
         return "a JSON object"
     return getattr(tp, "__name__", str(tp))
@@ -293,6 +310,11 @@ def coerce(key: str, tp: Any, value: Any) -> Any:
             return None
         return coerce(key, inner, value)
     bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))} (got {value!r})")
+        return value
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -464,9 +486,21 @@ def _one_of(key: str, value: Any, allowed: typing.Iterable[Any]) -> None:
     _check(value in allowed, f"{key} must be one of {', '.join(map(str, allowed))} (got {value!r})")
 
 
+def _check_choices(section: Any, prefix: str = "") -> None:
+    """Every field of a ``Literal`` type holds one of its values (nested sections included)."""
+    hints = _hints(type(section))
+    for f in dataclasses.fields(section):
+        value, tp = getattr(section, f.name), hints[f.name]
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, f"{prefix}{f.name}.")
+        elif typing.get_origin(tp) is Literal:
+            _one_of(prefix + f.name, value, typing.get_args(tp))
+
+
 def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentConfig:
     """Raise ConfigError (one line) for the first impossible setting; return ``cfg`` when sound."""
     e, r, a, o, t = cfg.env, cfg.rollout, cfg.algorithm, cfg.optim, cfg.train
+    _check_choices(cfg)
     # environment
     _check(bool(e.name), "env.name must not be empty")
     _check(len(e.opponents) == len(e.opponent_ratios),
@@ -476,13 +510,9 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     if e.opponent_ratios:
         _check(abs(sum(e.opponent_ratios) - 1.0) < 1e-6,
                f"env.opponent_ratios must sum to 1 (got {sum(e.opponent_ratios):g})")
-    _one_of("env.seats", e.seats, ("mixed", "first", "second"))
-    _one_of("env.heldout_seat", e.heldout_seat, ("mixed", "first", "second"))
-    _one_of("env.grouping", e.grouping, ("stationary", "mixed"))
     _check(e.eval_seed >= 0, "env.eval_seed must be >= 0")
     # model / tokenizer
     _check(bool(cfg.model.preset) or cfg.model.path is not None, "model.preset or model.path must be set")
-    _one_of("model.dtype", cfg.model.dtype, ("float32", "bfloat16"))
     if check_paths and cfg.model.path is not None:
         _check(os.path.isdir(cfg.model.path),
                f"model.path {cfg.model.path!r} is not a folder; pass a local Hugging Face model folder "
@@ -490,7 +520,6 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
         _check(os.path.isfile(os.path.join(cfg.model.path, "config.json")),
                f"model.path {cfg.model.path!r} has no config.json; it must be a local Hugging Face "
                "model folder")
-    _one_of("tokenizer.kind", cfg.tokenizer.kind, ("hf", "word_level"))
     if cfg.tokenizer.kind == "hf":
         tok_path = cfg.tokenizer.path or cfg.model.path
         _check(tok_path is not None,
@@ -515,11 +544,9 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
                f"rollout.batch_size {r.batch_size} != rollout.num_tasks * rollout.group_size "
                f"({r.num_tasks} * {r.group_size} = {r.num_tasks * r.group_size})")
     _check(r.num_episodes >= 1, f"rollout.num_episodes must be >= 1 (got {r.num_episodes})")
-    _one_of("rollout.memory_mode", r.memory_mode, MEMORY_MODES)
     _check(not (r.memory_mode != "history_only" and not r.reflect and r.num_episodes > 1),
            f"rollout.memory_mode={r.memory_mode} needs reflections; set rollout.reflect=true or "
            "rollout.memory_mode=history_only")
-    _one_of("rollout.prompt_style", r.prompt_style, ("full", "compact"))
     _check(r.max_prompt_tokens >= 1, f"rollout.max_prompt_tokens must be >= 1 (got {r.max_prompt_tokens})")
     _check(r.max_response_tokens >= 1,
            f"rollout.max_response_tokens must be >= 1 (got {r.max_response_tokens})")
@@ -528,13 +555,8 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     if r.max_turns is not None:
         _check(r.max_turns >= 1, f"rollout.max_turns must be >= 1 (got {r.max_turns})")
     _check(all(b >= 1 for b in r.length_buckets), "rollout.length_buckets must be positive")
-    if e.grouping == "stationary" and e.opponents:
-        pass  # any B works: groups are assigned in blocks by ratio
     # algorithm
-    _one_of("algorithm.estimator", a.estimator, _estimator_names())
-    _one_of("algorithm.reward", a.reward, REWARD_DESIGNS)
-    _one_of("algorithm.anchor", a.anchor, ("global", "local"))
-    _one_of("algorithm.norm", a.norm, ("mean_norm", "mean_std_norm"))
+    _one_of("algorithm.estimator", a.estimator, advantages.available_advantages())
     _check(0 <= a.gamma_step <= 1, f"algorithm.gamma_step must be in [0, 1] (got {a.gamma_step})")
     _check(0 <= a.gamma_traj <= 1, f"algorithm.gamma_traj must be in [0, 1] (got {a.gamma_traj})")
     _check(a.step_weight >= 0, "algorithm.step_weight must be >= 0")
@@ -546,7 +568,6 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     _check(o.weight_decay >= 0, f"optim.weight_decay must be >= 0 (got {o.weight_decay})")
     _check(o.grad_clip > 0, f"optim.grad_clip must be > 0 (got {o.grad_clip})")
     _check(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
-    _one_of("optim.lr_decay", o.lr_decay, ("constant", "linear", "cosine"))
     _check(0 <= o.lr_end_fraction <= 1, f"optim.lr_end_fraction must be in [0, 1] (got {o.lr_end_fraction})")
     _check(o.mini_batch_rows >= 1, f"optim.mini_batch_rows must be >= 1 (got {o.mini_batch_rows})")
     _check(o.epochs >= 1, f"optim.epochs must be >= 1 (got {o.epochs})")
@@ -554,8 +575,6 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     _check(o.dual_clip > 1, f"optim.dual_clip must be > 1 (got {o.dual_clip})")
     _check(o.entropy_coef >= 0, f"optim.entropy_coef must be >= 0 (got {o.entropy_coef})")
     _check(o.kl_coef >= 0, f"optim.kl_coef must be >= 0 (got {o.kl_coef})")
-    _one_of("optim.kl_kind", o.kl_kind, KL_KINDS)
-    _one_of("optim.aggregation", o.aggregation, AGGREGATIONS)
     _check(o.logprob_chunk >= 1, "optim.logprob_chunk must be >= 1")
     # loop
     _check(t.iterations >= 0, f"train.iterations must be >= 0 (got {t.iterations})")
@@ -571,19 +590,6 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     _check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes must be >= 1 or -1 (got {sizes})")
     _check(sum(s == -1 for s in sizes) <= 1, "at most one mesh axis may be -1")
     return cfg
-
-
-def _estimator_names() -> tuple[str, ...]:
-    """Names of the advantages registry (the built-in list when the registry is not importable)."""
-    try:
-        from mage_jax.algorithms import advantages
-
-        names = advantages.available_advantages()
-        if names:
-            return tuple(sorted(names))
-    except (ImportError, AttributeError):
-        pass
-    return ADVANTAGE_ESTIMATORS
 
 
 # --------------------------------------------------------------------------------------------------

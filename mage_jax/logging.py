@@ -13,12 +13,14 @@ import math
 import os
 import sys
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_id.txt"
 
 
 def to_jsonable(value: Any) -> Any:
@@ -148,19 +150,31 @@ def _open_tensorboard(run_dir: str):
 
 
 def _open_wandb(run_dir: str, project: str, config: Mapping[str, Any] | None):
+    """A W&B run of this run directory, through wandb's public API only.
+
+    The run id is kept in ``<run_dir>/wandb_id.txt`` so a resumed run continues the same W&B run.
+    ``WANDB_MODE=offline`` writes under ``<run_dir>/wandb`` without a network. A W&B problem (not
+    logged in, no network in online mode) is one warning line; the JSONL log goes on regardless.
+    """
     try:
         import wandb
     except ImportError:
         _warn("W&B logging asked for but wandb is not installed (pip install 'mage-jax[logging]'); "
               "logging to JSONL only")
         return None
-    id_file = os.path.join(run_dir, "wandb_id.txt")
+    id_file = os.path.join(run_dir, WANDB_ID_FILE)
     if os.path.exists(id_file):
         with open(id_file) as f:
             run_id = f.read().strip()
     else:
-        run_id = wandb.util.generate_id()
+        run_id = uuid.uuid4().hex[:12]  # W&B ids: lowercase letters and digits
         with open(id_file, "w") as f:
             f.write(run_id)
-    return wandb.init(project=project, dir=run_dir, id=run_id, resume="allow",
-                      config=dict(config) if config else None)
+    try:
+        return wandb.init(project=project, dir=run_dir, id=run_id, resume="allow",
+                          config=dict(config) if config else None)
+    except Exception as err:  # wandb raises its own error types (not logged in, network, ...)
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        _warn(f"W&B logging could not start ({reason}); logging to JSONL only "
+              "(set WANDB_MODE=offline to log without an account)")
+        return None

@@ -20,17 +20,16 @@ Tokens are drawn from ``softmax(masked_logits / temperature)`` restricted to the
 the raw logits). That is exactly what the trainer recomputes with ``temperature=1`` and
 ``allowed=constraint_masks(...)``, so sampler and trainer log-probs agree at temperature 1.
 
-Stop strings are not checked on device: generation stops on EOS ids only, and
-``truncate_at_stop_strings`` cuts a finished result on the host by decoding the text.
+Stop strings are not checked on device: generation stops on EOS ids only.
 
-Constrained decoding: a ``TokenAutomaton`` is a table ``transitions[S, V]`` (next state, or -1 when the
-token is disallowed), start state 0; EOS is allowed exactly in accepting states.
-``automaton_from_completions`` builds the trie that accepts exactly a list of token sequences followed
-by EOS ("the response is one of these legal action strings").
+Constrained decoding: each row may carry a ``mage_jax.constraints.TokenAutomaton`` (the trie of its
+legal action strings); the sampler masks every draw with the row's current state, and the train step
+replays the same automaton (``constraints.constraint_masks``) in the log-prob recompute.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -41,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from mage_jax.constraints import TokenAutomaton, allowed_tokens, stack_automata
 
 DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -87,134 +88,6 @@ class GenerationResult:
     compile_count: int
     prompt_bucket: int = 0
     batch_buckets: tuple[int, ...] = ()
-
-
-# -------------------------------------------------------------------------------------- automata
-@dataclasses.dataclass(frozen=True)
-class TokenAutomaton:
-    """A deterministic automaton over token ids: ``transitions[s, v]`` is the next state or -1 (disallowed).
-
-    The start state is 0. A state is accepting when an EOS id is allowed from it.
-    """
-
-    transitions: np.ndarray  # int32[S, V]
-
-    def __post_init__(self) -> None:
-        t = np.asarray(self.transitions)
-        if t.ndim != 2 or t.shape[0] < 1:
-            raise ValueError(f"transitions must be int32[S, V] with S >= 1, got shape {t.shape}")
-        if t.min(initial=-1) < -1 or t.max(initial=-1) >= t.shape[0]:
-            raise ValueError("transitions must hold -1 or a state index in [0, S)")
-        object.__setattr__(self, "transitions", t.astype(np.int32))
-
-    @property
-    def num_states(self) -> int:
-        return self.transitions.shape[0]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.transitions.shape[1]
-
-    def accepting(self, eos_ids: Sequence[int]) -> np.ndarray:
-        """bool[S]: states where generation may end (some EOS id is allowed)."""
-        return (self.transitions[:, list(eos_ids)] >= 0).any(axis=1)
-
-    @classmethod
-    def accept_all(cls, vocab_size: int) -> TokenAutomaton:
-        """One state that allows every token: an unconstrained row inside a constrained batch."""
-        return cls(np.zeros((1, vocab_size), np.int32))
-
-
-def automaton_from_completions(
-    token_sequences: Sequence[Sequence[int]], vocab_size: int, eos_id: int | Sequence[int]
-) -> TokenAutomaton:
-    """The trie automaton that accepts exactly ``token_sequences`` each followed by one EOS id.
-
-    State 0 is the root; the last state is the absorbing "after EOS" state, from which nothing is
-    allowed. A sequence that is a prefix of another makes its end state both accepting and continuing.
-    """
-    eos = [eos_id] if isinstance(eos_id, (int, np.integer)) else list(eos_id)
-    if not token_sequences:
-        raise ValueError("automaton_from_completions needs at least one allowed completion")
-    for tid in [*eos, *(t for seq in token_sequences for t in seq)]:
-        if not 0 <= int(tid) < vocab_size:
-            raise ValueError(f"token id {int(tid)} is outside the vocabulary [0, {vocab_size})")
-    children: list[dict[int, int]] = [{}]
-    accepting = [False]
-    for seq in token_sequences:
-        state = 0
-        for tid in seq:
-            tid = int(tid)
-            if tid in eos:
-                raise ValueError(f"completion {list(seq)} contains the EOS id {tid} before its end")
-            nxt = children[state].get(tid)
-            if nxt is None:
-                nxt = len(children)
-                children[state][tid] = nxt
-                children.append({})
-                accepting.append(False)
-            state = nxt
-        accepting[state] = True
-    done = len(children)
-    table = np.full((done + 1, vocab_size), -1, np.int32)
-    for state, kids in enumerate(children):
-        for tid, nxt in kids.items():
-            table[state, tid] = nxt
-        if accepting[state]:
-            table[state, eos] = done
-    return TokenAutomaton(table)
-
-
-def stack_automata(
-    automata: Sequence[TokenAutomaton | None], vocab_size: int, num_states: int | None = None
-) -> np.ndarray:
-    """Per-row automata -> int32[B, S, V], states padded with disallow-all rows; None = unconstrained."""
-    filled = [TokenAutomaton.accept_all(vocab_size) if a is None else a for a in automata]
-    for a in filled:
-        if a.vocab_size != vocab_size:
-            raise ValueError(f"automaton vocabulary {a.vocab_size} != model vocabulary {vocab_size}")
-    states = max(a.num_states for a in filled) if num_states is None else num_states
-    out = np.full((len(filled), states, vocab_size), -1, np.int32)
-    for row, a in enumerate(filled):
-        if a.num_states > states:
-            raise ValueError(f"automaton with {a.num_states} states does not fit {states} states")
-        out[row, : a.num_states] = a.transitions
-    return out
-
-
-def _allowed_tokens(transitions: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(allowed bool[B,V], next-state table int32[B,V]) of each row's current state.
-
-    A row in no state (-1: it left the automaton, e.g. padding after EOS) or in a state that allows
-    nothing gets an all-True mask, so log-softmax stays finite; those positions are never sampled.
-    """
-    rows = jnp.arange(transitions.shape[0])
-    nxt = transitions[rows, jnp.maximum(state, 0)]
-    allowed = (nxt >= 0) & (state >= 0)[:, None]
-    allowed = jnp.where(allowed.any(axis=-1, keepdims=True), allowed, True)
-    return allowed, nxt
-
-
-@jax.jit
-def constraint_masks(transitions: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Replay each row's automaton over its tokens: allowed[b, t] is the mask used to draw tokens[b, t].
-
-    transitions int32[B,S,V], tokens int32[B,T] -> bool[B,T,V]. Positions after the end of a response
-    (after EOS, padding) get all-True masks; the trainer masks them out with the response mask.
-    """
-    transitions = jnp.asarray(transitions, jnp.int32)
-    tokens = jnp.asarray(tokens, jnp.int32)
-    vocab = transitions.shape[-1]
-
-    def step(state, token):
-        allowed, nxt = _allowed_tokens(transitions, state)
-        in_vocab = (token >= 0) & (token < vocab)
-        new_state = jnp.take_along_axis(nxt, jnp.clip(token, 0, vocab - 1)[:, None], axis=1)[:, 0]
-        return jnp.where(in_vocab & (state >= 0), new_state, -1), allowed
-
-    start = jnp.zeros(tokens.shape[:1], jnp.int32)
-    _, masks = jax.lax.scan(step, start, tokens.T)
-    return masks.transpose(1, 0, 2)
 
 
 # --------------------------------------------------------------------------------- token choice
@@ -471,14 +344,15 @@ class Sampler:
             self._compiled[static] = fn
         cache = self._init_cache(batch, prompt_bucket + params.max_new_tokens)
         temperature = np.float32(params.temperature if params.temperature > 0 else 1.0)
-        out_tokens, out_logps, lengths, finished = fn(
-            state,
-            cache,
-            *self._place_batch(tokens, valid, row_limits, transitions),
-            key,
-            temperature,
-            np.float32(params.top_p),
-        )
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            out_tokens, out_logps, lengths, finished = fn(
+                state,
+                cache,
+                *self._place_batch(tokens, valid, row_limits, transitions),
+                key,
+                temperature,
+                np.float32(params.top_p),
+            )
         out_tokens, out_logps = np.asarray(out_tokens), np.asarray(out_logps)
         lengths, finished = np.asarray(lengths), np.asarray(finished)
         toks = [out_tokens[r, : lengths[r]].copy() for r in range(n)]
@@ -547,24 +421,19 @@ class Sampler:
                 use_top_p=static.use_top_p,
             )
 
-            # Prefill: causal attention over the real prompt tokens; padding queries see only themselves
-            # so their (ignored) outputs stay finite.
-            slots = jnp.arange(max_len)
-            causal = slots[None, :] <= jnp.arange(prompt_len)[:, None]
-            kv_valid = jnp.pad(valid, ((0, 0), (0, max_new)))
-            mask = (kv_valid[:, None, :] & causal[None]) | (
-                slots[None, None, :] == jnp.arange(prompt_len)[None, :, None]
-            )
+            # Prefill: causal attention among the P prompt tokens only (left padding is segment 0),
+            # their keys and values written at slots 0..P-1.
             positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0).astype(jnp.int32)
-            hidden, cache = model(tokens, positions, mask, cache, jnp.int32(0))
+            hidden, cache = model(tokens, positions, valid, cache, jnp.int32(0))
             logits = model.logits(hidden[:, -1:, :])[:, 0]
             prompt_lens = valid.sum(axis=-1).astype(jnp.int32)
+            kv_start = (prompt_len - prompt_lens).astype(jnp.int32)  # each row's first real slot
 
             def pick(step, logits, auto_state, done):
                 """Choose token `step` for every row and update the bookkeeping."""
                 allowed = nxt = None
                 if static.constrained:
-                    allowed, nxt = _allowed_tokens(transitions, auto_state)
+                    allowed, nxt = allowed_tokens(transitions, auto_state)
                 token, logp = choose(logits, allowed, jax.random.fold_in(key, step))
                 token = jnp.where(done, pad_id, token)
                 logp = jnp.where(done, 0.0, logp)
@@ -600,9 +469,8 @@ class Sampler:
             def body(carry):
                 step, cache, prev, out_tokens, out_logps, auto_state, done, finished, lengths = carry
                 slot = prompt_len + step - 1  # the previous token goes into this cache slot
-                kv_mask = kv_valid | ((slots >= prompt_len) & (slots <= slot))[None, :]
                 pos = (prompt_lens + step - 1)[:, None]
-                hidden, cache = model(prev[:, None], pos, kv_mask[:, None, :], cache, slot)
+                hidden, cache = model(prev[:, None], pos, cache=cache, cache_index=slot, kv_start=kv_start)
                 logits = model.logits(hidden)[:, 0]
                 token, logp, auto_state, hit_eos = pick(step, logits, auto_state, done)
                 lengths = lengths + (~done).astype(jnp.int32)
@@ -624,41 +492,8 @@ class Sampler:
             )
             return out_tokens, out_logps, lengths, finished
 
+        call.lower = jitted.lower  # ahead-of-time compilation (memory analysis of a preset)
         return call
-
-
-# ------------------------------------------------------------------------------------ host-side
-def truncate_at_stop_strings(
-    result: GenerationResult, decode: Callable[[Sequence[int]], str], stop_strings: Sequence[str]
-) -> tuple[GenerationResult, list[str]]:
-    """Cut each response after the first stop string in its decoded text (host side, after generation).
-
-    The tokens are cut at the shortest prefix whose text contains the stop string (the token that
-    completes it is kept), the row counts as finished, and the truncated texts are returned with the
-    new result. Rows without a stop string are unchanged.
-    """
-    tokens, logprobs, finished = list(result.tokens), list(result.logprobs), result.finished.copy()
-    texts = []
-    for r, ids in enumerate(result.tokens):
-        text = decode(ids)
-        hits = [(text.find(s), s) for s in stop_strings if s and s in text]
-        if not hits:
-            texts.append(text)
-            continue
-        pos, stop = min(hits)
-        end = pos + len(stop)
-        # The shortest token prefix whose text contains the stop string (binary search: monotone).
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if stop in decode(ids[:mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-        cut = lo
-        tokens[r], logprobs[r], finished[r] = ids[:cut], result.logprobs[r][:cut], True
-        texts.append(text[:end])
-    return dataclasses.replace(result, tokens=tokens, logprobs=logprobs, finished=finished), texts
 
 
 def _sorted_buckets(buckets: Sequence[int], name: str) -> tuple[int, ...]:

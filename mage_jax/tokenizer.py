@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,7 @@ class Tokenizer:
         folder = Path(path)
         if not folder.is_dir():
             raise TokenizerError(f"tokenizer folder {str(folder)!r} does not exist")
+        _refuse_remote_code(folder)
         try:
             from transformers import AutoTokenizer
 
@@ -178,6 +180,33 @@ class Tokenizer:
             "source": self.source,
         }
         (folder / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+    def save_hf(self, directory: str | os.PathLike) -> None:
+        """Write files that ``transformers.AutoTokenizer.from_pretrained(directory)`` loads as this tokenizer.
+
+        HF tokenizers save themselves. The word-level one becomes a ``PreTrainedTokenizerFast``: the
+        same vocabulary and pre-tokenizer, a post-processor that prepends [BOS] (so ``tokenizer(text)``
+        gives exactly ``encode_prompts([text])[0]``), a chat template that renders one user message as
+        its text, and a decoder that re-joins pieces with the rules of ``join_word_pieces``.
+        """
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.kind == "hf":
+            self.backend.save_pretrained(str(folder))
+            return
+        from tokenizers import Tokenizer as RawTokenizer
+        from tokenizers import processors
+        from transformers import PreTrainedTokenizerFast
+
+        raw = RawTokenizer.from_str(self.backend.to_str())
+        raw.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, self.bos_id)])
+        raw.decoder = _word_decoder()
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=raw, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+            chat_template="{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}",
+        )
+        hf.save_pretrained(str(folder))
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Tokenizer:
@@ -277,6 +306,41 @@ def _word_pre_tokenizer():
             pre_tokenizers.Split(Regex(WORD_PATTERN), behavior="isolated"),
         ]
     )
+
+
+def _word_decoder():
+    """``join_word_pieces`` as a ``tokenizers`` decoder: join with spaces, then drop the spaces its rules
+    forbid (before closing punctuation, close tags and "[", after opening punctuation and open tags)."""
+    from tokenizers import Regex, decoders
+
+    before = "".join(re.escape(c) for c in sorted(_NO_SPACE_BEFORE))
+    after = "".join(re.escape(c) for c in sorted(_NO_SPACE_AFTER))
+    return decoders.Sequence([
+        decoders.WordPiece(prefix="\x00##", cleanup=False),  # a prefix that never occurs: " ".join
+        decoders.Fuse(),
+        decoders.Replace(Regex(f" (?=[{before}]|</|\\[(?!UNK\\]))"), ""),
+        decoders.Replace(Regex(f"(?<=[{after}]) "), ""),
+        decoders.Replace(Regex(r"(?<=<[A-Za-z_][A-Za-z0-9_\-]*>) "), ""),
+    ])
+
+
+def _refuse_remote_code(folder: Path) -> None:
+    """A tokenizer that names its own Python classes (``auto_map``) would need remote code: refused.
+
+    transformers would otherwise quietly fall back to a built-in class that may tokenize differently.
+    """
+    for name, key in (("tokenizer_config.json", None), ("config.json", "AutoTokenizer")):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            auto_map = json.loads(path.read_text(encoding="utf-8")).get("auto_map")
+        except (ValueError, AttributeError):
+            continue  # unreadable files are reported by the loader itself
+        if auto_map and (key is None or (isinstance(auto_map, dict) and key in auto_map)):
+            raise TokenizerError(
+                f"the tokenizer in {str(folder)!r} needs remote code ({name} has an auto_map entry); "
+                "remote code is never run: use a folder with a standard tokenizer.json")
 
 
 def _hf_stop_ids(hf: Any, folder: Path) -> tuple[int, ...]:

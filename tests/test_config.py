@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -47,6 +48,8 @@ def test_string_overrides_are_parsed_by_field_type():
         ({"train.iterations": "2.5"}, "train.iterations: expected int"),
         ({"rollout.reflect": "maybe"}, "rollout.reflect: expected bool"),
         ({"optim": "1"}, "optim is a section"),
+        ({"rollout.memory_mode": "everything"}, "rollout.memory_mode must be one of reflection_only, "),
+        ({"optim.kl_kind": "k9"}, "optim.kl_kind must be one of k1, kl, k2, mse, k3, low_var_kl (got 'k9')"),
     ],
 )
 def test_bad_override_is_one_clear_error(overrides, fragment):
@@ -64,7 +67,6 @@ def test_bad_override_is_one_clear_error(overrides, fragment):
         ({"rollout.batch_size": 64}, "rollout.batch_size 64 != rollout.num_tasks * rollout.group_size"),
         ({"env.opponent_ratios": [0.5, 0.6, 0.1]}, "must sum to 1"),
         ({"env.opponent_ratios": [0.5, 0.5]}, "differ in length"),
-        ({"rollout.memory_mode": "everything"}, "rollout.memory_mode must be one of"),
         ({"rollout.reflect": False}, "needs reflections"),
         ({"algorithm.estimator": "ppo2"}, "algorithm.estimator must be one of"),
         ({"optim.dual_clip": 0.5}, "optim.dual_clip must be > 1"),
@@ -141,3 +143,12 @@ def test_cli_refuses_to_overwrite_a_run_without_resume(tmp_path):
     C.save(C.ExperimentConfig(), str(tmp_path / "run"))
     with pytest.raises(C.ConfigError, match="--resume"):
         parse([], tmp_path)
+
+
+def test_a_choice_set_without_parsing_still_fails_validation():
+    """Choice fields are Literal types: ``validate`` checks them even when code bypasses the parser."""
+    cfg = C.apply_overrides(C.ExperimentConfig(), {"tokenizer.kind": "word_level"})
+    bad = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, seats="both"))
+    message = r"^env.seats must be one of first, second, mixed \(got 'both'\)$"
+    with pytest.raises(C.ConfigError, match=message):
+        C.validate(bad)

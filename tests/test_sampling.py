@@ -11,19 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mage_jax.constraints import TokenAutomaton, automaton_from_completions, constraint_masks, stack_automata
 from mage_jax.models.config import ModelConfig
-from mage_jax.models.transformer import Transformer, make_attention_mask, positions_from_mask
+from mage_jax.models.transformer import Transformer, positions_from_mask
 from mage_jax.sampling import (
-    GenerationResult,
     Sampler,
     SamplingParams,
-    TokenAutomaton,
-    automaton_from_completions,
     choose_tokens,
-    constraint_masks,
     sample_categorical,
-    stack_automata,
-    truncate_at_stop_strings,
 )
 from tests.tiny_models import build_random_causal_lm
 
@@ -48,7 +43,7 @@ def tiny():
 def _forward_logp(graphdef, state, seq):
     model = nnx.merge(graphdef, state)
     mask = jnp.ones_like(seq, bool)
-    hidden, _ = model(seq, positions_from_mask(mask), make_attention_mask(mask))
+    hidden, _ = model(seq, positions_from_mask(mask), mask)
     return model.logits(hidden)[0]
 
 
@@ -218,48 +213,6 @@ def test_greedy_is_the_argmax_of_the_allowed_tokens():
 
 
 # ------------------------------------------------------------------------------ constrained decoding
-def test_trie_automaton_accepts_exactly_the_completions_followed_by_eos():
-    a = automaton_from_completions([[10, 11], [12], [10, 11, 13]], vocab_size=16, eos_id=EOS)
-    t = a.transitions
-
-    def run(seq):
-        state = 0
-        for tok in seq:
-            state = t[state, tok]
-            if state < 0:
-                return False
-        return True
-
-    for ok in ([10, 11, EOS], [12, EOS], [10, 11, 13, EOS]):
-        assert run(ok)
-    for bad in ([10, EOS], [11], [12, 12], [EOS], [10, 11, 13, 13]):
-        assert not run(bad)
-    assert a.accepting([EOS]).sum() == 3 and t.shape == (6, 16)
-    assert (t[-1] == -1).all()  # nothing may follow EOS
-
-
-def test_trie_automaton_rejects_bad_completions():
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        automaton_from_completions([[99]], vocab_size=16, eos_id=EOS)
-    with pytest.raises(ValueError, match="contains the EOS"):
-        automaton_from_completions([[EOS, 5]], vocab_size=16, eos_id=EOS)
-    with pytest.raises(ValueError, match="at least one"):
-        automaton_from_completions([], vocab_size=16, eos_id=EOS)
-
-
-def test_constraint_masks_replay_the_automaton_by_hand():
-    a = automaton_from_completions([[4, 5], [6]], vocab_size=8, eos_id=EOS)
-    transitions = stack_automata([a, None], vocab_size=8, num_states=8)
-    tokens = np.asarray([[4, 5, EOS, PAD], [1, 2, 7, 7]], np.int32)
-    masks = np.asarray(constraint_masks(transitions, tokens))
-    assert masks.shape == (2, 4, 8)
-    assert np.flatnonzero(masks[0, 0]).tolist() == [4, 6]
-    assert np.flatnonzero(masks[0, 1]).tolist() == [5]
-    assert np.flatnonzero(masks[0, 2]).tolist() == [EOS]
-    assert masks[0, 3].all()  # after EOS: unconstrained (masked out by the response mask)
-    assert masks[1].all()  # an unconstrained row
-
-
 def test_constrained_generation_only_produces_allowed_completions(tiny):
     model, state, sampler = tiny
     completions = [[30, 31], [32], [30, 33, 34]]
@@ -301,21 +254,6 @@ def test_automata_must_match_the_model_vocabulary(tiny):
             jax.random.key(0),
             constraints=TokenAutomaton.accept_all(VOCAB + 1),
         )
-
-
-# ------------------------------------------------------------------------------------ stop strings
-def test_stop_strings_truncate_on_the_host():
-    decode = lambda ids: "".join(chr(ord("a") + int(i)) for i in ids)  # one letter per token
-    result = GenerationResult(
-        tokens=[np.arange(6), np.arange(3)],
-        logprobs=[np.zeros(6), np.zeros(3)],
-        finished=np.asarray([False, False]),
-        compile_count=1,
-    )
-    cut, texts = truncate_at_stop_strings(result, decode, ["cd", "zz"])
-    assert texts == ["abcd", "abc"]
-    assert cut.tokens[0].tolist() == [0, 1, 2, 3] and len(cut.logprobs[0]) == 4
-    assert cut.finished.tolist() == [True, False] and cut.tokens[1].tolist() == [0, 1, 2]
 
 
 # ------------------------------------------------------------------------------ Hugging Face parity

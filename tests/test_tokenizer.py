@@ -3,6 +3,9 @@ built-in word-level tokenizer (tags as single tokens, action strings round-trip)
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from mage_jax.envs.parsing import extract_action
@@ -77,6 +80,29 @@ def test_hf_missing_folder_or_template_is_one_clear_error(tmp_path):
     with pytest.raises(TokenizerError, match="cannot load"):
         Tokenizer.from_hf_dir(tmp_path / "empty")
 
+
+
+@pytest.mark.parametrize("file, auto_map", [
+    ("tokenizer_config.json", {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]}),
+    ("config.json", {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None],
+                     "AutoModelForCausalLM": "modeling_custom.CustomModel"}),
+])
+def test_hf_tokenizer_that_needs_remote_code_is_refused_with_one_line(hf_dir, tmp_path, file, auto_map):
+    folder = tmp_path / "remote"
+    shutil.copytree(hf_dir, folder)
+    path = folder / file
+    settings = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**settings, "auto_map": auto_map}))
+    with pytest.raises(TokenizerError, match=f"needs remote code \\({file} has an auto_map entry\\)") as info:
+        Tokenizer.from_hf_dir(folder)
+    assert "\n" not in str(info.value)
+
+
+def test_a_model_auto_map_without_a_tokenizer_entry_does_not_block_the_tokenizer(hf_dir, tmp_path):
+    folder = tmp_path / "model_only"
+    shutil.copytree(hf_dir, folder)
+    (folder / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "modeling_x.X"}}))
+    assert Tokenizer.from_hf_dir(folder).kind == "hf"
 
 # ---------------------------------------------------------------------------------------- word level
 @pytest.fixture(scope="module")
@@ -156,3 +182,40 @@ def test_join_word_pieces_spacing_rules():
     )
     assert join_word_pieces(["line", "\n", "next"]) == "line\nnext"
     assert join_word_pieces(["trial", "#", "2"]) == "trial #2"
+
+
+# ------------------------------------------------------------------------- files for transformers
+EXPORT_TEXTS = [
+    *CORPUS,
+    "Board:\nX . O\n. X .\nYour move: <action>(2, 2)</action> -- it's done; 50% search[a-b/c]",
+    "$5 #1 {x} (a) 'q' <remark>why?</remark>\n\n<action>BET</action>",
+]
+
+
+def test_word_level_save_hf_is_the_same_tokenizer_for_auto_tokenizer(tmp_path):
+    """Same ids, same chat prompt, same decoded text (transformers drops [UNK] as a special token when
+    asked to skip them, so the texts here are inside the vocabulary)."""
+    from transformers import AutoTokenizer
+
+    word_tok = Tokenizer.word_level(EXPORT_TEXTS)
+    word_tok.save_hf(tmp_path / "hf")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (word_tok.bos_id, word_tok.eos_ids[0],
+                                                                     word_tok.pad_id)
+    for text in EXPORT_TEXTS:
+        [ours] = word_tok.encode_prompts([text])
+        assert hf(text)["input_ids"] == ours
+        assert hf.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                      return_dict=False) == ours
+        response = [*word_tok.encode(text), word_tok.eos_ids[0]]
+        assert hf.decode(response, skip_special_tokens=True) == word_tok.decode(response)
+
+
+def test_hf_save_hf_writes_a_folder_auto_tokenizer_loads(hf_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = Tokenizer.from_hf_dir(hf_dir)
+    tok.save_hf(tmp_path / "hf")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert hf(CORPUS[0], add_special_tokens=False)["input_ids"] == tok.encode(CORPUS[0])
+    assert hf.chat_template == tok.backend.chat_template

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from experiments.presets import environment
+from experiments.environments import environment
 from experiments.suite import (
     Variant,
     aggregate,
@@ -16,7 +16,7 @@ from experiments.suite import (
     plot_aggregates,
     run_suite,
     variant_config,
-    variant_options,
+    variant_protocol,
 )
 from mage_jax import config as C
 
@@ -53,11 +53,11 @@ class Ablation:
         for v in variants:
             cfg = variant_config(env, v, args.preset, args.seeds[0], os.path.join(args.out_dir, v.name),
                                  args.overrides)
-            variant_options(env, v, cfg)
+            variant_protocol(env, v, cfg)
             first_cfg = first_cfg or cfg
         records = run_suite(env, variants, preset=args.preset, seeds=args.seeds, out_dir=args.out_dir,
                             overrides=args.overrides, collect_only=args.collect_only)
-        split = env.options(first_cfg).headline_split
+        split = env.protocol(first_cfg).headline_split
         aggregates = aggregate(records, split)
         labels = {v.name: v.label or v.name for v in variants}
         title = (f"{self.title} — {args.env}, preset {args.preset}, seeds {','.join(map(str, args.seeds))}, "

@@ -3,8 +3,11 @@
 ``plot_episode_curves``: one metric (success@k, payoff@k, ...) against the episode, one line per
 opponent plus the overall mean, with optional reference lines: a number is drawn as a horizontal
 line (e.g. the winnable ceiling), a sequence as a dashed curve over the episodes (e.g. the random
-policy's success@k from the Kuhn oracle). ``plot_training_curves`` reads a metrics JSONL file (one
-record per iteration and split) and draws the chosen keys against the iteration.
+policy's success@k from the Kuhn oracle). Reference lines are gray and named in the legend, which
+sits beside the axes, so no label covers a curve; the title names the evaluation split.
+``plot_training_curves`` reads a metrics JSONL file (one record per iteration and split) and draws
+the chosen keys against the iteration (integer ticks): training as a line, evaluations as points; a
+``<metric>@last`` key takes an evaluation record's last episode (its highest ``<metric>@k``).
 
 The x axis of episode curves counts episodes from 1 (the first attempt), so the point at x = 3 is
 ``success@2``, the paper's Pass@3.
@@ -20,6 +23,15 @@ from typing import Any
 import numpy as np
 
 DEFAULT_TRAINING_KEYS = ("success@0", "payoff@0", "reward_mean", "policy_loss", "entropy", "kl")
+
+SPLIT_TITLES = {
+    "eval": "eval split: held-out instances, training opponents",
+    "heldout": "heldout split: held-out opponent",
+    "train": "train split",
+}
+"""How plot titles name the splits the trainer evaluates (others are named as they are)."""
+
+_REFERENCE_STYLES = (":", "--", "-.", (0, (1, 3)))
 
 
 def _pyplot():
@@ -47,13 +59,17 @@ def plot_episode_curves(
     reference_lines: Mapping[str, float | Sequence[float]] | None = None,
     title: str | None = None,
     by: str = "by_opponent",
+    split: str | None = None,
 ) -> Path:
-    """Draw ``metric``@k against the episode for the overall mean and each entry of ``metrics[by]``."""
+    """Draw ``metric``@k against the episode for the overall mean and each entry of ``metrics[by]``.
+
+    ``split`` (e.g. ``"eval"``) is named in the default title.
+    """
     if "curves" not in metrics or metric not in metrics["curves"]:
         known = ", ".join(sorted(metrics.get("curves", {})))
         raise ValueError(f"metrics have no curve {metric!r}; known: {known or 'none'}")
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4))
     overall = np.asarray(metrics["curves"][metric], dtype=float)
     x = np.arange(1, len(overall) + 1)
     ax.plot(
@@ -62,19 +78,22 @@ def plot_episode_curves(
     for name, block in (metrics.get(by) or {}).items():
         values = np.asarray(block["curves"][metric], dtype=float)
         ax.plot(x[: len(values)], values, marker="o", label=f"{name} ({block['num_meta_episodes']})")
-    for label, ref in (reference_lines or {}).items():
+    for i, (label, ref) in enumerate((reference_lines or {}).items()):
+        style = dict(color="0.45", linewidth=1.2, linestyle=_REFERENCE_STYLES[i % len(_REFERENCE_STYLES)])
         if np.ndim(ref) == 0:
-            ax.axhline(float(ref), linestyle=":", color="gray")
-            ax.annotate(label, (x[-1], float(ref)), textcoords="offset points", xytext=(4, 2), fontsize=8)
+            ax.axhline(float(ref), label=f"{label} = {float(ref):.3g}", **style)
         else:
             values = np.asarray(ref, dtype=float)[: len(x)]
-            ax.plot(x[: len(values)], values, linestyle="--", label=label)
+            ax.plot(x[: len(values)], values, label=label, **style)
     ax.set_xticks(x)
     ax.set_xlabel("episode (1 = first attempt)")
     ax.set_ylabel(f"{metric}@k")
-    ax.set_title(title or f"{metric}@k by {by.removeprefix('by_')}")
+    default = f"{metric}@k by {by.removeprefix('by_')}"
+    if split is not None:
+        default += f"\n{SPLIT_TITLES.get(split, f'{split} split')}"
+    ax.set_title(title or default, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     return _save(fig, path)
 
 
@@ -84,16 +103,24 @@ def plot_success_and_payoff(
     *,
     reference: Mapping[str, Mapping[str, float | Sequence[float]]] | None = None,
     prefix: str = "",
+    split: str | None = None,
 ) -> list[Path]:
     """``<prefix>success.png`` and ``<prefix>payoff.png`` per opponent; ``reference`` maps the metric
-    name to its reference lines (e.g. ``{"success": {"winnable": 0.58}, "payoff": {"random": [...]}}``)."""
+    name to its reference lines (e.g. ``{"success": {"winnable": 0.58}, "payoff": {"random": [...]}}``).
+
+    The titles name ``split``; by default the split is the prefix without its trailing ``_``
+    (``prefix="eval_"`` -> ``"eval"``), which is how the trainer names the files.
+    """
     reference = reference or {}
+    if split is None and prefix.strip("_"):
+        split = prefix.strip("_")
     return [
         plot_episode_curves(
             metrics,
             Path(out_dir) / f"{prefix}{metric}.png",
             metric=metric,
             reference_lines=reference.get(metric),
+            split=split,
         )
         for metric in ("success", "payoff")
     ]
@@ -117,10 +144,8 @@ def plot_training_curves(
     if not records:
         raise ValueError(f"no records with {x_key!r} in {str(jsonl_path)!r}")
 
-    def numeric(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-    present = {k for r in records for k, v in r.items() if numeric(v) and k != x_key}
+    present = {k for r in records for k, v in r.items() if _numeric(v) and k != x_key}
+    present |= {k for k in (keys or ()) if any(_value(r, k) is not None for r in records)}
     wanted = [k for k in (keys if keys is not None else DEFAULT_TRAINING_KEYS) if k in present]
     if not wanted:
         raise ValueError(
@@ -128,26 +153,55 @@ def plot_training_curves(
             f"available: {', '.join(sorted(present)[:20])}"
         )
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     cols = min(3, len(wanted))
     rows = -(-len(wanted) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
-    splits = sorted({str(r.get("split", "train")) for r in records})
+    splits = sorted({str(r.get("split", "train")) for r in records}, key=lambda s: (s != "train", s))
+    colors = {split: f"C{i}" for i, split in enumerate(splits)}
+    handles: dict[str, Any] = {}
     for ax, key in zip(axes.flat, wanted):
         for split in splits:
             points = sorted(
-                (float(r[x_key]), float(r[key]))
+                (float(r[x_key]), value)
                 for r in records
-                if str(r.get("split", "train")) == split and numeric(r.get(key))
+                if str(r.get("split", "train")) == split and (value := _value(r, key)) is not None
             )
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="." if len(points) < 50 else None, label=split)
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            if split == "train":
+                style = dict(marker="." if len(points) < 50 else None, linewidth=1.5)
+            else:  # evaluations are a few points: markers joined by a thin dashed line
+                style = dict(marker="o", markersize=5, linestyle="--", linewidth=0.8)
+            [line] = ax.plot(xs, ys, label=split, color=colors[split], **style)
+            handles.setdefault(split, line)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel(x_key)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        if len(splits) > 1:
-            ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(wanted) :]:
         ax.axis("off")
     fig.tight_layout()
+    if len(handles) > 1:  # one legend for all panels, above them: it never covers a curve
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles),
+                   bbox_to_anchor=(0.5, 1.0), fontsize=8, frameon=False)
     return _save(fig, path)
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _value(record: Mapping[str, Any], key: str) -> float | None:
+    """``record[key]``, or for ``<metric>@last`` the record's ``<metric>@k`` of the highest ``k``."""
+    if _numeric(record.get(key)):
+        return float(record[key])
+    if key.endswith("@last"):
+        stem = key[: -len("last")]
+        ks = [int(k[len(stem):]) for k, v in record.items()
+              if k.startswith(stem) and k[len(stem):].isdigit() and _numeric(v)]
+        if ks:
+            return float(record[f"{stem}{max(ks)}"])
+    return None

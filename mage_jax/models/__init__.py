@@ -6,7 +6,6 @@ from mage_jax.models.transformer import (
     Transformer,
     init_cache,
     make_attention_mask,
-    make_cached_attention_mask,
     positions_from_mask,
 )
 
@@ -16,6 +15,5 @@ __all__ = [
     "Transformer",
     "init_cache",
     "make_attention_mask",
-    "make_cached_attention_mask",
     "positions_from_mask",
 ]

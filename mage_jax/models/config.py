@@ -15,11 +15,22 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+
+from mage_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 
 ARCHITECTURES = ("qwen3", "qwen2", "llama")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "llama3")
+# Per-layer rematerialisation: what a decoder block keeps for the backward pass. "full" keeps only the
+# block's input; the dots policies also keep matrix products (faster backward, more memory).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 _HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -68,7 +79,14 @@ class ModelConfig:
     architecture: str = "qwen3"
     param_dtype: str = "float32"
     dtype: str = "float32"
-    remat: bool = False
+    remat: str = "none"
+    """Per-layer rematerialisation policy, one of REMAT_POLICIES (True / False mean "full" / "none")."""
+    attention: str = "auto"
+    """Attention implementation (``mage_jax.models.attention``): auto, dense, blockwise, cudnn, splash."""
+    attention_block_size: int = 512
+    """Query and key block of the blockwise implementation."""
+    attention_dense_max_len: int = 1024
+    """``auto`` on CPU: dense attention up to this many tokens per row, blockwise beyond."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rope_scaling", _freeze_rope_scaling(self.rope_scaling))
@@ -83,8 +101,16 @@ class ModelConfig:
                 object.__setattr__(self, name, value)
             if value not in DTYPES:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(DTYPES)}")
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            known = ", ".join(ATTENTION_IMPLEMENTATIONS)
+            raise ValueError(f"attention={self.attention!r} is not one of {known}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+                     "num_kv_heads", "head_dim", "max_position_embeddings", "attention_block_size",
+                     "attention_dense_max_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -103,6 +129,11 @@ class ModelConfig:
     @property
     def jnp_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
+
+    @property
+    def remat_policy(self):
+        """The `jax.checkpoint` policy of `remat` (None when remat is "none")."""
+        return REMAT_POLICIES[self.remat]
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:

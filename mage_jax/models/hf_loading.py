@@ -6,6 +6,10 @@ Loading reads `config.json` and one or many `*.safetensors` files (sharded check
 device receives only its own shard and no host or device ever holds a second full copy. Pickle
 files and remote code are never touched.
 
+A folder is untrusted input: a truncated or malformed safetensors file (e.g. an oversized header) is
+one ``ValueError`` naming the file, an index may only name files inside the folder, and every loaded
+block is checked to be finite (NaN or inf weights would otherwise train silently into NaN).
+
 Hugging Face stores linear weights as [out, in]; we store kernels as [in, out], so those are
 transposed on the way in and out.
 """
@@ -16,7 +20,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -67,6 +71,11 @@ def _tensor_files(path: str) -> dict[str, str]:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index_path} is not a valid safetensors index: {e!r}") from None
+        if not isinstance(weight_map, Mapping):
+            raise ValueError(f"{index_path} is not a valid safetensors index: weight_map is not an object")
+        for file in sorted(set(map(str, weight_map.values()))):
+            if not _inside_folder(file):
+                raise ValueError(f"{index_path} points outside the model folder: {file!r}")
         files = {name: os.path.join(path, file) for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not os.path.isfile(file):
@@ -77,10 +86,29 @@ def _tensor_files(path: str) -> dict[str, str]:
         raise ValueError(f"no *.safetensors files in {path!r} (pickled .bin checkpoints are not loaded)")
     files: dict[str, str] = {}
     for shard in shards:
-        with safe_open(os.path.join(path, shard), framework="numpy") as f:
+        with _open_safetensors(os.path.join(path, shard)) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 files[name] = os.path.join(path, shard)
     return files
+
+
+def _inside_folder(file: str) -> bool:
+    """Whether an index entry names a file under the model folder: relative, no ``..`` step.
+
+    Checked on the name, not the resolved path: Hugging Face cache snapshots are symlinks into a
+    sibling ``blobs`` folder, and a folder's own symlinks are the user's choice.
+    """
+    norm = os.path.normpath(file)
+    return bool(file) and not os.path.isabs(file) and norm != ".." and not norm.startswith(".." + os.sep)
+
+
+def _open_safetensors(file: str) -> Any:
+    """``safe_open`` of one file; a truncated or malformed file is one ValueError naming it."""
+    try:
+        return safe_open(file, framework="numpy")
+    except Exception as err:  # SafetensorError (header too large, incomplete file, bad JSON), OSError
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"safetensors file {file!r} is damaged or not safetensors: {reason}") from None
 
 
 def _check_names(expected: Mapping[str, str], present: set[str], config: ModelConfig, path: str) -> None:
@@ -145,7 +173,7 @@ def load_hf_params(
         def reader(name: str):
             file = files[name]
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(file, framework="numpy"))
+                handles[file] = stack.enter_context(_open_safetensors(file))
             return handles[file].get_slice(name)
 
         def load(key_path, leaf, sharding):
@@ -159,20 +187,27 @@ def load_hf_params(
             if shape != want:
                 raise ValueError(f"tensor {name!r} has shape {shape}, expected {want}")
             return jax.make_array_from_callback(
-                tuple(leaf.shape), sharding, _slice_reader(tensor, transposed, param_dtype)
+                tuple(leaf.shape), sharding, _slice_reader(tensor, transposed, param_dtype, name, files[name])
             )
 
         state = jax.tree_util.tree_map_with_path(load, abstract_state, shardings)
     return config, graphdef, state
 
 
-def _slice_reader(tensor: Any, transposed: bool, dtype: Any) -> Callable[[Any], np.ndarray]:
+def _slice_reader(tensor: Any, transposed: bool, dtype: Any, name: str,
+                  file: str) -> Callable[[Any], np.ndarray]:
+    """Reads one device's block of a tensor, cast to ``dtype``; refuses NaN / inf values."""
+
     def read(index: tuple[slice, ...]) -> np.ndarray:
         if transposed:
             block = tensor[index[1], index[0]].T
         else:
             block = tensor[index]
-        return np.ascontiguousarray(block.astype(dtype))
+        block = np.ascontiguousarray(block.astype(dtype))
+        if not np.isfinite(block).all():
+            raise ValueError(f"tensor {name!r} in {file!r} holds non-finite values (NaN or inf) "
+                             f"as {np.dtype(dtype).name}")
+        return block
 
     return read
 
@@ -190,9 +225,15 @@ def export_hf(
     out_dir: str | os.PathLike,
     *,
     max_shard_bytes: int = 4 << 30,
+    eos_token_ids: Sequence[int] = (),
+    pad_token_id: int | None = None,
+    bos_token_id: int | None = None,
 ) -> None:
     """Write `config.json` + safetensors (sharded with an index above `max_shard_bytes`) that
     `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads as the same model.
+
+    Token ids given here go into `config.json` and `generation_config.json`, so `generate` stops at
+    every end-of-turn token (the first of `eos_token_ids` is the main one) and pads with `pad_token_id`.
 
     `state` is a parameter state or a `Transformer`. In a multi-host run every process must call
     this (arrays are gathered); only process 0 writes.
@@ -241,8 +282,19 @@ def export_hf(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
+    ids: dict[str, Any] = {}
+    if eos_token_ids:
+        eos = [int(i) for i in eos_token_ids]
+        ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if pad_token_id is not None:
+        ids["pad_token_id"] = int(pad_token_id)
+    if bos_token_id is not None:
+        ids["bos_token_id"] = int(bos_token_id)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config.to_hf_config(), f, indent=2)
+        json.dump({**config.to_hf_config(), **ids}, f, indent=2)
+    if ids:
+        with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump(ids, f, indent=2)
 
 
 def _to_host(leaf: Any) -> np.ndarray:

@@ -5,17 +5,21 @@ They differ only in switches carried by `ModelConfig`: per-head q/k RMSNorm (Qwe
 (Qwen2), Llama-3 RoPE frequency scaling, tied or untied output head.
 
 The model is meant to be used functionally: `graphdef, state = nnx.split(model)` once, then jitted
-functions take `state` and call `nnx.merge(graphdef, state)` inside. The caller owns every mask
-and position, which keeps this module free of padding policy:
+functions take `state` and call `nnx.merge(graphdef, state)` inside. The caller owns every position
+and padding decision, which keeps this module free of padding policy. No call takes a dense mask:
 
-    hidden, cache = model(tokens[B,T], positions[B,T], attention_mask[B,T,S], cache, cache_index)
+    hidden, _ = model(tokens[B,T], positions[B,T], segment_ids[B,T])              # self-attention
+    hidden, cache = model(tokens, positions, segment_ids, cache, cache_index)     # prefill
+    hidden, cache = model(tokens, positions, cache=cache, cache_index=i, kv_start=start[B])  # decode
 
-Without a cache, S == T (build the mask with `make_attention_mask`). With a cache, the keys and
-values of the T new tokens are written at slots `cache_index .. cache_index+T-1` of every row and
-the mask covers all S cache slots (`make_cached_attention_mask`).
+`segment_ids` (int, 0 = padding; a bool padding mask works too) say which of the T tokens see each
+other (causally). Prefill attends over the T new tokens only and writes their keys and values at
+slots `cache_index .. cache_index+T-1`. Decode writes the new tokens at `cache_index` and attends
+over the per-row span of valid slots `kv_start[b] .. cache_index+t`. How attention is computed (dense,
+blockwise, cuDNN, splash) is `ModelConfig.attention`; see `mage_jax.models.attention`.
 
 `KVCache` holds one key and one value array per layer, head-major: keys [B, num_kv_heads, head_dim, S]
-(slots last) and values [B, num_kv_heads, S, head_dim]. Both attention products are then plain
+(slots last) and values [B, num_kv_heads, S, head_dim]. Both decode products are then plain
 batched matrix products over (B, kv head) with no transposed operand: q·K contracts head_dim against
 the keys' rows, probs·V contracts the slots against the values' rows. Separate arrays per layer let
 a layer read its cache without slicing (copying) a stacked [L, ...] array every step. They are only
@@ -32,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mage_jax.models import attention as attn
 from mage_jax.models.config import ModelConfig
-
-_MASKED = -1e30  # finite so that a fully masked (padding) query row stays NaN-free
+from mage_jax.models.sharding import constrain_rows
 
 
 # ---------------------------------------------------------------------------- KV cache
@@ -75,10 +79,11 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVC
 
 # ---------------------------------------------------------------------------- masks and positions
 def make_attention_mask(segments: jax.Array, causal: bool = True) -> jax.Array:
-    """[B,T] padding mask (bool) or segment ids (int, 0 = padding) -> [B,T,T] bool.
+    """[B,T] padding mask (bool) or segment ids (int, 0 = padding) -> [B,T,T] bool (inspection, tests).
 
     Query t may attend key s when both are real tokens of the same segment and, if causal, s <= t.
-    Padding query rows attend nothing; their outputs are finite garbage that callers ignore.
+    Padding query rows attend nothing; their outputs are finite garbage that callers ignore. The
+    model never takes this array: every attention implementation derives it from the segment ids.
     """
     seg = jnp.asarray(segments).astype(jnp.int32)
     mask = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
@@ -86,18 +91,6 @@ def make_attention_mask(segments: jax.Array, causal: bool = True) -> jax.Array:
         t = seg.shape[1]
         mask = mask & jnp.tril(jnp.ones((t, t), dtype=bool))[None]
     return mask
-
-
-def make_cached_attention_mask(valid: jax.Array, cache_index: jax.Array, num_new: int) -> jax.Array:
-    """Mask for `num_new` tokens written at `cache_index` into a cache of S slots -> [B,num_new,S].
-
-    `valid[B,S]` marks the cache slots holding real tokens (including the new ones); new token t
-    attends valid slots up to and including its own slot `cache_index + t`.
-    """
-    valid = jnp.asarray(valid, dtype=bool)
-    slots = jnp.arange(valid.shape[1], dtype=jnp.int32)
-    limit = jnp.asarray(cache_index, jnp.int32) + jnp.arange(num_new, dtype=jnp.int32)
-    return valid[:, None, :] & (slots[None, None, :] <= limit[None, :, None])
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -175,6 +168,7 @@ class Attention(nnx.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.dtype = c.jnp_dtype
+        self.block_size = c.attention_block_size
         self.q_proj = _linear(c, c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias, rngs)
         self.k_proj = _linear(c, c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, rngs)
         self.v_proj = _linear(c, c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, rngs)
@@ -187,40 +181,28 @@ class Attention(nnx.Module):
             self.q_norm = nnx.data(None)
             self.k_norm = nnx.data(None)
 
-    def __call__(self, x, cos, sin, mask, kv: tuple[jax.Array, jax.Array] | None, cache_index):
+    def __call__(self, x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation: str):
         """-> (output [B,T,H], this layer's updated (keys, values) cache or None)."""
         b, t, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        groups = heads // kv_heads
-        q = self.q_proj(x).reshape(b, t, heads, dim)
-        k = self.k_proj(x).reshape(b, t, kv_heads, dim)
-        v = self.v_proj(x).reshape(b, t, kv_heads, dim)
+        q = constrain_rows(self.q_proj(x).reshape(b, t, heads, dim))
+        k = constrain_rows(self.k_proj(x).reshape(b, t, kv_heads, dim))
+        v = constrain_rows(self.v_proj(x).reshape(b, t, kv_heads, dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        # Head-major: the G query heads sharing a kv head and the T tokens form the M rows of one
-        # matrix product per (row, kv head); keys are stored transposed, [D, S].
-        q = q.reshape(b, t, kv_heads, groups, dim).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, dim)
-        k = k.transpose(0, 2, 3, 1)  # [B,Hkv,D,T]
-        v = v.transpose(0, 2, 1, 3)  # [B,Hkv,T,D]
         if kv is not None:
             cache_k, cache_v = kv
-            cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, 0, 0, cache_index))
-            cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, cache_index, 0))
-            kv = (cache_k, cache_v)
-            k, v = cache_k.astype(self.dtype), cache_v.astype(self.dtype)
-        s = k.shape[-1]
-
-        scores = jnp.einsum("bkmd,bkds->bkms", q, k, preferred_element_type=jnp.float32)
-        scores = scores.reshape(b, kv_heads, groups, t, s) / math.sqrt(dim)
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype).reshape(b, kv_heads, groups * t, s)
-        # Accumulated in float32 like the scores: exact for bf16 and, on CPU, far faster than a bf16 result.
-        out = jnp.einsum("bkms,bksd->bkmd", probs, v, preferred_element_type=jnp.float32)  # [B,Hkv,G*T,D]
-        out = out.astype(self.dtype)
-        out = out.reshape(b, kv_heads, groups, t, dim).transpose(0, 3, 1, 2, 4).reshape(b, t, heads * dim)
-        return self.o_proj(out), kv
+            k_new = k.transpose(0, 2, 3, 1).astype(cache_k.dtype)  # [B,Hkv,D,T]
+            v_new = v.transpose(0, 2, 1, 3).astype(cache_v.dtype)  # [B,Hkv,T,D]
+            kv = (jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, cache_index)),
+                  jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, cache_index, 0)))
+        if kv_start is None:
+            out = attn.self_attention(q, k, v, segment_ids, implementation=implementation,
+                                      block_size=self.block_size)
+        else:
+            out = attn.cached_attention(q, kv[0], kv[1], kv_start, cache_index)
+        return constrain_rows(self.o_proj(constrain_rows(out.reshape(b, t, heads * dim)))), kv
 
 
 class MLP(nnx.Module):
@@ -231,7 +213,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(c, c.intermediate_size, c.hidden_size, False, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = constrain_rows(jax.nn.silu(constrain_rows(self.gate_proj(x))) * constrain_rows(self.up_proj(x)))
+        return constrain_rows(self.down_proj(h))
 
 
 class Block(nnx.Module):
@@ -242,10 +225,11 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, cos, sin, mask, kv, cache_index):
-        h, kv = self.attn(self.input_norm(x), cos, sin, mask, kv, cache_index)
-        x = x + h
-        x = x + self.mlp(self.post_attn_norm(x))
+    def __call__(self, x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation: str):
+        h, kv = self.attn(self.input_norm(x), cos, sin, segment_ids, kv, cache_index, kv_start,
+                          implementation)
+        x = constrain_rows(x + h)
+        x = constrain_rows(x + self.mlp(self.post_attn_norm(x)))
         return x, kv
 
 
@@ -281,42 +265,40 @@ class Transformer(nnx.Module):
         self,
         tokens: jax.Array,
         positions: jax.Array,
-        attention_mask: jax.Array,
+        segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
         cache_index: jax.Array | None = None,
+        *,
+        kv_start: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """-> (hidden [B,T,H] after the final norm, updated cache or None)."""
+        """-> (hidden [B,T,H] after the final norm, updated cache or None); see the module docstring."""
         config = self.config
         b, t = tokens.shape
-        expected_s = t if cache is None else cache.max_len
-        if attention_mask.shape != (b, t, expected_s):
-            raise ValueError(
-                f"attention_mask has shape {attention_mask.shape}, expected {(b, t, expected_s)}"
-                + (" (cache slots)" if cache is not None else " (no cache: [B,T,T])")
-            )
-        if cache is not None and cache_index is None:
-            raise ValueError("cache_index is required when a cache is given")
+        _check_call(config, b, t, segment_ids, cache, cache_index, kv_start)
         if cache is not None:
-            if cache.num_layers != config.num_layers or cache.batch_size != b:
-                raise ValueError(
-                    f"the cache has {cache.num_layers} layers and {cache.batch_size} rows, "
-                    f"expected {config.num_layers} layers and {b} rows"
-                )
             cache_index = jnp.asarray(cache_index, jnp.int32)
-        mask = attention_mask.astype(bool)
-        x = self.embed(tokens).astype(config.jnp_dtype)
+        implementation = "dense"
+        if kv_start is None:
+            segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+            implementation = attn.choose_implementation(
+                config.attention, t, config.jnp_dtype, dense_max_len=config.attention_dense_max_len)
+        x = constrain_rows(self.embed(tokens).astype(config.jnp_dtype))
         cos, sin = rope_tables(config, positions)
-        run_block = _remat_block if config.remat else _call_block
+        def run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start):
+            return block(x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation)
+
+        if config.remat != "none" and cache is None:  # only a differentiated forward pass needs it
+            run_block = nnx.remat(run_block, policy=config.remat_policy)
         new_k, new_v = [], []
         for i, block in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = run_block(block, x, cos, sin, mask, kv, cache_index)
+            x, kv = run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
         if cache is not None:
             cache = KVCache(k=tuple(new_k), v=tuple(new_v))
-        return self.final_norm(x), cache
+        return constrain_rows(self.final_norm(x)), cache
 
     def head_weight(self) -> jax.Array:
         """The output projection [H,V] in the compute dtype (the embedding transposed when tied)."""
@@ -334,8 +316,24 @@ class Transformer(nnx.Module):
         )
 
 
-def _call_block(block, x, cos, sin, mask, kv, cache_index):
-    return block(x, cos, sin, mask, kv, cache_index)
+def _check_call(config: ModelConfig, b: int, t: int, segment_ids, cache, cache_index, kv_start) -> None:
+    """One clear error for a call that mixes up the self-attention, prefill and decode conventions."""
+    if (segment_ids is None) == (kv_start is None):
+        raise ValueError("pass segment_ids [B,T] (self-attention, prefill) or kv_start [B] with a cache "
+                         "(decode), exactly one of them")
+    if segment_ids is not None and tuple(segment_ids.shape) != (b, t):
+        raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)}, expected {(b, t)}")
+    if kv_start is not None:
+        if cache is None:
+            raise ValueError("kv_start (decode) needs a cache")
+        if tuple(kv_start.shape) != (b,):
+            raise ValueError(f"kv_start has shape {tuple(kv_start.shape)}, expected {(b,)}")
+    if cache is not None:
+        if cache_index is None:
+            raise ValueError("cache_index is required when a cache is given")
+        if cache.num_layers != config.num_layers or cache.batch_size != b:
+            raise ValueError(
+                f"the cache has {cache.num_layers} layers and {cache.batch_size} rows, "
+                f"expected {config.num_layers} layers and {b} rows"
+            )
 
-
-_remat_block = nnx.remat(_call_block)

@@ -18,10 +18,8 @@ the oldest memory entries first, then shortens the window W of shown moves; each
 the stats. A prompt that still does not fit is not sent to the model: the row is recorded as an
 invalid turn (empty response, ``overflow=True``; a play turn is used up, a reflection is empty).
 
-Payoff: an episode's payoff is its reward in the game's own unit (Kuhn Poker: chips, reward / 5).
-It is R_n / ``env.reward_scale`` when the environment has that attribute, else the numeric
-``StepInfo.extra["payoff"]`` of the episode's last step (Kuhn Poker reports its chips there), else
-R_n / ``extra["reward_scale"]``, else R_n itself (Tic-Tac-Toe, Sokoban: payoff = reward).
+Payoff: an episode's payoff is its reward in the game's own unit, R_n / ``env.reward_scale`` (Kuhn
+Poker: chips, reward / 5; every other environment: scale 1, payoff = reward).
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from mage_jax.algorithms.advantages import ANCHOR_MODES
 from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 from mage_jax.envs.base import StepResult, TextEnv, make_env
 from mage_jax.envs.parsing import extract_reflection
@@ -48,7 +47,6 @@ from mage_jax.rollout.policy import Generation, GenerationRequest, Policy
 from mage_jax.rollout.rows import Row
 from mage_jax.rollout.tasks import Task
 
-ANCHOR_MODES = ("global", "local")
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
 _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
@@ -60,9 +58,9 @@ class RunnerConfig:
     ``num_episodes``: N. ``max_turns``: None uses the environment's own limit. ``constrained_actions``:
     play rows are decoded under the constraint ``<action>X</action>`` for X in ``env.legal_actions()``.
     ``privileged_reflection``: training reflect prompts show ``env.privileged_observation()`` (Kuhn's
-    both-cards quirk; never at evaluation). ``show_admissible``: list the legal actions in play prompts
-    (None: the environment attribute ``show_admissible``, default False). ``max_play_tokens`` /
-    ``max_reflection_tokens``: per-row generation limits passed to the policy (None: its default).
+    both-cards quirk; never at evaluation). Play prompts list the legal actions when the environment's
+    ``show_admissible`` says so. ``max_response_tokens`` / ``max_reflection_tokens``: per-row
+    generation limits passed to the policy (None: its default).
     ``keep_text``: rows keep their prompt and response text (debugging; costs memory).
     """
 
@@ -72,11 +70,10 @@ class RunnerConfig:
     prompt_style: str = "full"
     constrained_actions: bool = False
     privileged_reflection: bool = False
-    anchor_mode: str = "global"
+    anchor: str = "global"
     max_prompt_tokens: int | None = None
     max_turns: int | None = None
-    show_admissible: bool | None = None
-    max_play_tokens: int | None = None
+    max_response_tokens: int | None = None
     max_reflection_tokens: int | None = None
     keep_text: bool = False
 
@@ -87,14 +84,14 @@ class RunnerConfig:
             raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {self.memory_mode!r}")
         if self.prompt_style not in STYLES:
             raise ValueError(f"prompt_style must be one of {STYLES}, got {self.prompt_style!r}")
-        if self.anchor_mode not in ANCHOR_MODES:
-            raise ValueError(f"anchor_mode must be one of {ANCHOR_MODES}, got {self.anchor_mode!r}")
+        if self.anchor not in ANCHOR_MODES:
+            raise ValueError(f"anchor must be one of {ANCHOR_MODES}, got {self.anchor!r}")
         if not self.reflect and self.memory_mode != "history_only" and self.num_episodes > 1:
             raise ValueError(
                 f"reflect=False writes no reflections, so memory_mode must be 'history_only' "
                 f"(got {self.memory_mode!r})"
             )
-        for name in ("max_play_tokens", "max_reflection_tokens"):
+        for name in ("max_response_tokens", "max_reflection_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -183,6 +180,11 @@ class MetaEpisodeRunner:
         self._pool: list[TextEnv] = []
         make_env(env_name, **self.env_options)  # fail early and clearly on a bad name or options
 
+    def with_env_options(self, extra: Mapping[str, Any]) -> MetaEpisodeRunner:
+        """A runner of the same configuration on an environment with ``extra`` merged into its options
+        (an evaluation split such as ``{"split": "valid_unseen"}`` or ``{"num_boxes": 1}``)."""
+        return MetaEpisodeRunner(self.env_name, {**self.env_options, **extra}, self.config)
+
     def _envs(self, count: int) -> list[TextEnv]:
         while len(self._pool) < count:
             self._pool.append(make_env(self.env_name, **self.env_options))
@@ -220,7 +222,7 @@ class MetaEpisodeRunner:
                         seat=task.seat,
                         task_info=info,
                     ),
-                    reward_scale=float(getattr(env, "reward_scale", 0.0) or 0.0),
+                    reward_scale=float(getattr(env, "reward_scale", 1.0)),
                     initial_observation=observation,
                 )
             )
@@ -262,12 +264,7 @@ class MetaEpisodeRunner:
             playing = [s for s in active if not s.done and turn < self._max_turns(s.env)]
             if not playing:
                 return
-            show = [
-                cfg.show_admissible
-                if cfg.show_admissible is not None
-                else bool(getattr(s.env, "show_admissible", False))
-                for s in playing
-            ]
+            show = [bool(getattr(s.env, "show_admissible", False)) for s in playing]
             legal = [
                 list(s.env.legal_actions()) if (cfg.constrained_actions or sh) else None
                 for s, sh in zip(playing, show)
@@ -297,7 +294,7 @@ class MetaEpisodeRunner:
                 for lg in legal
             ]
             anchors = [play_anchor(s.env.observation, s.task.opponent) for s in playing]
-            generations = self._generate(prompts, allowed, cfg.max_play_tokens, policy)
+            generations = self._generate(prompts, allowed, cfg.max_response_tokens, policy)
             for s, prompt, gen, anchor in zip(playing, prompts, generations, anchors):
                 if gen is None:  # the prompt could not be made to fit
                     result = s.env.invalid_step("prompt longer than max_prompt_tokens")
@@ -334,24 +331,12 @@ class MetaEpisodeRunner:
         out.won.append(won)
         out.draw.append(bool(info is not None and info.draw))
         out.score.append(float(info.score) if info is not None else 0.0)
-        out.payoff.append(self._payoff(s, info))
+        out.payoff.append(s.episode_reward / s.reward_scale)
         out.turns.append(len(s.moves))
         return EpisodeRecord(
             moves=tuple(s.moves), reward=s.episode_reward, won=won, reflection=None,
             episode=len(out.rewards) - 1,
         )
-
-    @staticmethod
-    def _payoff(s: _MetaState, info: Any) -> float:
-        """R_n in the game's own unit: reward / ``env.reward_scale``; else the last step's
-        ``extra["payoff"]`` (Kuhn Poker reports chips there); else ``extra["reward_scale"]``; else R_n."""
-        if s.reward_scale:
-            return s.episode_reward / s.reward_scale
-        extra = info.extra if info is not None else {}
-        if isinstance(extra.get("payoff"), (int, float)) and not isinstance(extra.get("payoff"), bool):
-            return float(extra["payoff"])
-        scale = extra.get("reward_scale")
-        return s.episode_reward / float(scale) if scale else s.episode_reward
 
     def _reflect_phase(
         self, reflecting: list[_MetaState], records: dict[int, EpisodeRecord], episode: int, policy: Policy
@@ -476,7 +461,7 @@ class MetaEpisodeRunner:
         reward: float,
         valid: bool,
     ) -> None:
-        if self.config.anchor_mode == "local":
+        if self.config.anchor == "local":
             anchor = local_anchor(anchor, episode)
         keep = self.config.keep_text
         if gen is not None and gen.truncated:

@@ -14,7 +14,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import jax
 import numpy as np
+
+from mage_jax.constraints import automaton_from_completions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +128,10 @@ class ScriptedPolicy:
 class LLMPolicy:
     """The real policy: tokenizer + jitted sampler + the current parameter state.
 
-    ``params_state`` is the model state the sampler reads (replace it with ``update_params`` after
-    every train step). ``rng`` is a JAX PRNG key split once per ``generate`` call. Prompts longer than
-    ``max_prompt_tokens`` are not sent to the model: they come back as an empty, truncated response
-    (an invalid turn), never an error. The runner normally shortens prompts before that happens.
+    ``params_state`` is the model state the sampler reads (a policy is built per rollout, with the
+    parameters of that moment). ``rng`` is a JAX PRNG key split once per ``generate`` call. Prompts
+    longer than ``max_prompt_tokens`` are not sent to the model: they come back as an empty, truncated
+    response (an invalid turn), never an error. The runner normally shortens prompts before that happens.
     Automata for constrained rows are built once per distinct set of allowed completions and cached.
     """
 
@@ -150,9 +153,6 @@ class LLMPolicy:
         self._automata: dict[tuple[str, ...], Any] = {}
         self._prompt_cache: dict[str, list[int]] = {}
 
-    def update_params(self, params_state: Any) -> None:
-        self.params_state = params_state
-
     # -- tokens --------------------------------------------------------------------------------
     def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
         missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
@@ -170,8 +170,6 @@ class LLMPolicy:
         Completions are tokenized as raw response text (no template, no special tokens).
         """
         if completions not in self._automata:
-            from mage_jax.sampling import automaton_from_completions
-
             sequences = [self.tokenizer.encode(c) for c in completions]
             self._automata[completions] = automaton_from_completions(
                 sequences, self.sampler.vocab_size, self.sampler.eos_ids
@@ -186,8 +184,6 @@ class LLMPolicy:
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
-        import jax
-
         if not requests:
             return []
         prompt_ids = self._encode([r.prompt for r in requests])

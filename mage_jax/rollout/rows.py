@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from mage_jax.algorithms import RowBatch
+
 PHASES = ("play", "reflect")
 
 
@@ -72,27 +74,6 @@ class Row:
     def is_reflect(self) -> bool:
         return self.phase == "reflect"
 
-    def summary(self) -> dict[str, Any]:
-        """JSON-serialisable description (no token arrays) for logs and notebooks."""
-        return {
-            "group": self.group,
-            "meta_episode": self.meta_episode,
-            "episode": self.episode,
-            "turn": self.turn,
-            "step": self.step,
-            "phase": self.phase,
-            "anchor": self.anchor,
-            "opponent": self.opponent,
-            "seat": self.seat,
-            "env_reward": float(self.env_reward),
-            "valid": bool(self.valid),
-            "truncated": bool(self.truncated),
-            "overflow": bool(self.overflow),
-            "prompt_length": self.prompt_length,
-            "response_length": self.response_length,
-            "prompt_text": self.prompt_text,
-            "response_text": self.response_text,
-        }
 
 
 def _dense_ids(values: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
@@ -170,10 +151,8 @@ class PackedBatch:
         """The per-row arrays under the algorithms' ``RowBatch`` field names."""
         return {name: getattr(self, name) for name in self.ROW_BATCH_FIELDS}
 
-    def row_batch(self):
+    def row_batch(self) -> RowBatch:
         """The algorithms' ``RowBatch`` (a pytree of [R] arrays) for returns and advantages."""
-        from mage_jax.algorithms import RowBatch
-
         return RowBatch.create(**self.row_batch_arrays())
 
     def row_transitions(self, rows: slice | np.ndarray | None = None) -> np.ndarray | None:
@@ -185,53 +164,6 @@ class PackedBatch:
         free = np.zeros(self.constraint_table.shape[1:], dtype=np.int32)
         table = np.concatenate([self.constraint_table, free[None]], axis=0)
         return table[np.where(ids < 0, len(table) - 1, ids)]
-
-    def _pad_values(self) -> dict[str, Any]:
-        """Field values of a padding row: masked everywhere, its own group / meta-episode / anchor id."""
-        return {
-            "tokens": self.pad_id,
-            "targets": self.pad_id,
-            "group": len(self.group_keys),
-            "meta_episode": len(self.meta_episode_keys),
-            "anchor": len(self.anchor_names),
-        }
-
-    def take(self, index: np.ndarray) -> PackedBatch:
-        """Rows ``index`` (an int array; ``-1`` entries become masked padding rows)."""
-        index = np.asarray(index, dtype=np.int64)
-        pad = index < 0
-        safe = np.where(pad, 0, index)
-        special = self._pad_values()
-        fields: dict[str, Any] = {}
-        for name in self.TOKEN_FIELDS + self.ROW_FIELDS:
-            arr = getattr(self, name)[safe].copy()
-            if pad.any():
-                arr[pad] = special.get(name, 0)
-            fields[name] = arr
-        cid = None
-        if self.constraint_id is not None:
-            cid = self.constraint_id[safe].copy()
-            cid[pad] = -1
-        return PackedBatch(
-            **fields,
-            num_rows=int(fields["mask"].sum()),
-            anchor_names=self.anchor_names,
-            group_keys=self.group_keys,
-            meta_episode_keys=self.meta_episode_keys,
-            pad_id=self.pad_id,
-            constraint_id=cid,
-            constraint_table=self.constraint_table,
-        )
-
-    def minibatches(self, size: int, *, permutation: np.ndarray | None = None) -> list[PackedBatch]:
-        """Split into mini-batches of exactly ``size`` rows; the last is filled with masked padding rows.
-
-        Only real rows are distributed (the batch's own padding rows are dropped first), optionally in
-        the order ``permutation`` (a permutation of ``range(num_rows)``). Per-row ids (group, anchor)
-        keep their batch-wide meaning, so advantages computed on the whole batch can be sliced alike
-        with ``minibatch_indices``.
-        """
-        return [self.take(idx) for idx in minibatch_indices(self.num_rows, size, permutation=permutation)]
 
 
 def minibatch_indices(num_rows: int, size: int, *, permutation: np.ndarray | None = None) -> list[np.ndarray]:
@@ -245,6 +177,28 @@ def minibatch_indices(num_rows: int, size: int, *, permutation: np.ndarray | Non
     padded = np.full(count * size, -1, dtype=np.int64)
     padded[:num_rows] = order
     return [padded[i * size : (i + 1) * size] for i in range(count)]
+
+
+def length_grouped_minibatches(
+    lengths: np.ndarray, size: int, rng: np.random.Generator, buckets: Sequence[int]
+) -> list[np.ndarray]:
+    """Mini-batches of ``size`` rows from the same length bucket, in random order (``-1`` pads the last).
+
+    Rows are shuffled, stably sorted by their length *bucket* (not by exact length: rows of equal
+    length are often copies of one situation, and mini-batches of near-identical rows make the
+    updates oscillate) and cut into consecutive blocks, so most mini-batches need only their own
+    bucket. The order of the blocks is random; every row is used exactly once per epoch.
+    """
+    lengths = np.asarray(lengths)
+    n = len(lengths)
+    bucket_of = np.searchsorted(np.asarray(sorted(buckets)), lengths, side="left")
+    order = rng.permutation(n)
+    order = order[np.argsort(bucket_of[order], kind="stable")]
+    count = max(1, -(-n // size))
+    padded = np.full(count * size, -1, dtype=np.int64)
+    padded[:n] = order
+    blocks = [padded[i * size:(i + 1) * size] for i in range(count)]
+    return [blocks[i] for i in rng.permutation(count)]
 
 
 def pick_bucket(length: int, buckets: Sequence[int]) -> int:

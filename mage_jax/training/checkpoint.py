@@ -1,21 +1,53 @@
-"""Orbax checkpoints of a training run: periodic, keep-last-k, atomic, resumable.
+"""Orbax checkpoints of a training run: periodic, keep-last-k, atomic, verified, resumable.
 
-A checkpoint holds two items: ``state`` (the array pytree: parameters, optimizer state, step
-counter, placed with their shardings) and ``meta`` (JSON: iteration, RNG key, task-sampler state,
-the resolved config). Orbax writes each step into ``<step>.orbax-checkpoint-tmp-*`` and renames it
-to ``<step>`` only once every file is on disk, so a run killed during a save leaves the previous
-complete checkpoint as the latest one; the unfinished temporary folder is ignored and removed at the
-next start.
+A checkpoint holds three items: ``state`` (the array pytree: parameters, optimizer state, step
+counter, placed with their shardings), ``meta`` (JSON: iteration, RNG key, task-sampler state, the
+resolved config) and ``checksums`` (JSON: a CRC-32 of every array of ``state``, keyed by its tree
+path, and of the canonical ``meta``; CRC-32 because it guards against damage, not tampering, and
+hashes about twice as fast as SHA-256, which matters for multi-GB optimizer states).
+
+Orbax writes each step into ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>`` only
+once every file is on disk, so a run killed during a save leaves the previous complete checkpoint as
+the latest one; the unfinished temporary folder is ignored and removed at the next start.
+
+A complete checkpoint can still be damaged afterwards (a truncated or deleted file, flipped bytes,
+an edited meta file). Restoring verifies every array and the meta against the checksums; a damaged
+latest step is moved aside to ``<step>.damaged`` (so a resumed run can save that step again) and the
+newest intact older step is restored, with one warning line naming what was skipped. Only when no
+step is intact does restoring fail, with one ``CheckpointError`` line.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
+import sys
+import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from mage_jax.config import ConfigError
+
+DAMAGED_SUFFIX = ".damaged"
+
+
+class CheckpointError(ConfigError):
+    """No intact checkpoint to restore; the message is one line naming each damaged step."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """An intact checkpoint whose arrays have other shapes or dtypes than this run's state (the config
+    changed the model or optimizer): a configuration problem, so no older step is tried."""
+
+
+class DamagedCheckpoint(Exception):
+    """One step failed to load or to verify; the message says why, in a few words."""
 
 
 def _abstract(tree: Any) -> Any:
@@ -29,8 +61,80 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
+def array_digest(x: Any) -> str:
+    """CRC-32 (8 hex digits) of one array's dtype, shape and bytes.
+
+    An array spread over several hosts is hashed from this process's distinct shards (keyed by their
+    global index), so every process verifies the part it wrote and reads back.
+    """
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        shards = {str(s.index): s.data for s in x.addressable_shards}
+        parts = [(index, np.asarray(shards[index])) for index in sorted(shards)]
+    else:
+        parts = [("", np.asarray(jax.device_get(x)))]
+    crc = 0
+    for index, a in parts:
+        crc = zlib.crc32(f"{index}|{a.dtype.str}|{a.shape}|".encode(), crc)
+        crc = zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8), crc)
+    return f"{crc:08x}"
+
+
+def state_digests(state: Any) -> dict[str, str]:
+    """``{tree path: array_digest}`` of every leaf of a state pytree (hashed on a few threads)."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(array_digest, [leaf for _, leaf in leaves]))
+    return {jax.tree_util.keystr(path): d for (path, _), d in zip(leaves, digests)}
+
+
+def state_signature(state: Any) -> dict[str, list[Any]]:
+    """``{tree path: [shape, dtype name]}`` of every leaf (arrays, shape structs or scalars)."""
+    def signature(leaf: Any) -> list[Any]:
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        return [list(np.shape(leaf)), str(dtype)]
+
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {jax.tree_util.keystr(path): signature(leaf) for path, leaf in leaves}
+
+
+def _mismatch(saved: Mapping[str, Any], wanted: Mapping[str, list[Any]]) -> str | None:
+    """The first difference between a saved signature and the template's, in words (None: same)."""
+    for path in sorted(set(saved) | set(wanted)):
+        if path not in wanted:
+            return f"it holds {path}, which this run's state lacks"
+        if path not in saved:
+            return f"it lacks {path}"
+        have, want = list(saved[path]), wanted[path]
+        if have != want:
+            return f"{path} is {have[0]} {have[1]} there but {want[0]} {want[1]} here"
+    return None
+
+
+def meta_digest(meta: Mapping[str, Any]) -> str:
+    """CRC-32 of the canonical JSON of the metadata (what a JSON round trip preserves)."""
+    text = json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return f"{zlib.crc32(text.encode()):08x}"
+
+
+def verify(state: Any, meta: Mapping[str, Any], checksums: Any) -> None:
+    """Raise ``DamagedCheckpoint`` naming the first array (or the meta) that does not match."""
+    if not isinstance(checksums, Mapping) or not isinstance(checksums.get("arrays"), Mapping):
+        raise DamagedCheckpoint("its checksums are missing or unreadable")
+    if meta_digest(meta) != checksums.get("meta"):
+        raise DamagedCheckpoint("meta does not match its checksum")
+    expected = checksums["arrays"]
+    actual = state_digests(state)
+    if set(actual) != set(expected):
+        raise DamagedCheckpoint("its arrays do not match the checksum list")
+    for path, digest in actual.items():
+        if digest != expected[path]:
+            raise DamagedCheckpoint(f"array {path} does not match its checksum")
+
+
 class Checkpointer:
-    """Save / restore ``(state, meta)`` pairs under one directory."""
+    """Save / restore ``(state, meta)`` pairs under one directory, verified by per-array checksums."""
 
     def __init__(self, directory: str, *, keep: int = 2, every: int = 0):
         self.directory = os.path.abspath(directory)
@@ -41,7 +145,8 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             enable_async_checkpointing=False,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "meta", "checksums"))
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -56,39 +161,119 @@ class Checkpointer:
         """Write checkpoint ``iteration`` (synchronously); an existing one of that step is kept as is."""
         if iteration in self._manager.all_steps():
             return False
+        meta = dict(meta)
+        checksums = {"arrays": state_digests(state), "shapes": state_signature(state),
+                     "meta": meta_digest(meta)}
         saved = self._manager.save(
             iteration,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+                                    checksums=ocp.args.JsonSave(checksums)),
             force=True,
         )
         self._manager.wait_until_finished()
         return bool(saved)
 
     def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-        """Restore ``(state, meta)`` of ``step`` (default: the latest).
+        """Restore ``(state, meta)`` of ``step``, verified against its checksums.
 
         ``template`` (a pytree like the saved state) gives the structure and the target shardings.
+        With ``step=None`` the newest intact step is restored: damaged newer steps are moved aside and
+        named in one warning line on stderr. ``CheckpointError`` when the asked step (or, by default,
+        every step) is damaged; ``CheckpointMismatch`` when an intact step holds arrays of other shapes
+        or dtypes than ``template`` (the config changed); ``FileNotFoundError`` when there is no
+        checkpoint at all.
         """
-        if step is None:
-            step = self.latest_step()
-        if step is None:
+        _drop_orbax_leftovers()
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(template)), meta=ocp.args.JsonRestore()
-            ),
-        )
+        if not any(os.path.isdir(os.path.join(self.directory, str(s), "checksums")) for s in steps):
+            return self._restore_unverified(template, step if step is not None else steps[0], steps)
+        if step is not None:
+            if step not in steps:
+                raise CheckpointError(f"no checkpoint of step {step} in {self.directory} "
+                                      f"(steps: {sorted(steps) or 'none'})")
+            try:
+                return self._restore_verified(template, step)
+            except DamagedCheckpoint as err:
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory} is damaged: {err}") from None
+        skipped: list[str] = []
+        for candidate in steps:
+            try:
+                restored = self._restore_verified(template, candidate)
+            except DamagedCheckpoint as err:
+                skipped.append(f"step {candidate} ({err})")
+                continue
+            if skipped:
+                for bad in steps[: steps.index(candidate)]:
+                    self._move_aside(bad)
+                print(f"warning: skipped damaged checkpoint {'; '.join(skipped)} in {self.directory} "
+                      f"(moved aside as <step>{DAMAGED_SUFFIX}); restored step {candidate}", file=sys.stderr)
+            return restored
+        raise CheckpointError(f"no intact checkpoint in {self.directory}: {'; '.join(skipped)}")
+
+    def _restore_unverified(self, template: Any, step: int, steps: list[int]) -> tuple[Any, dict[str, Any]]:
+        """A directory written before checksums existed (no step has them): restored as it is, once
+        named in a warning line. A missing checksum beside checksummed steps is damage instead."""
+        if step not in steps:
+            raise CheckpointError(
+                f"no checkpoint of step {step} in {self.directory} (steps: {sorted(steps)})")
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_abstract(template)), meta=ocp.args.JsonRestore()))
+        except Exception as err:
+            first = str(err).strip().splitlines()[0][:100] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} (written without checksums) "
+                                  f"cannot be restored: {type(err).__name__}: {first}") from None
+        print(f"warning: checkpoint step {step} in {self.directory} predates checksums; restored it "
+              "unverified", file=sys.stderr)
         return restored["state"], dict(restored["meta"])
 
-    def restore_meta(self, step: int | None = None) -> dict[str, Any]:
-        """Only the JSON metadata (e.g. to read the config of a run before building its model)."""
-        if step is None:
-            step = self.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(restored["meta"])
+    def _restore_verified(self, template: Any, step: int) -> tuple[Any, dict[str, Any]]:
+        try:
+            checksums = self._manager.restore(step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))
+            saved = checksums["checksums"]["shapes"]
+            if not isinstance(saved, Mapping):
+                raise TypeError("shapes is not an object")
+        except Exception as err:
+            reason = type(err).__name__
+            raise DamagedCheckpoint(f"its checksums are missing or unreadable ({reason})") from None
+        difference = _mismatch(saved, state_signature(template))
+        if difference is not None:
+            raise CheckpointMismatch(
+                f"checkpoint step {step} in {self.directory} does not fit this run's model / optimizer: "
+                f"{difference}; resume with the config it was saved with")
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(_abstract(template)), meta=ocp.args.JsonRestore(),
+                    checksums=ocp.args.JsonRestore(),
+                ),
+            )
+            meta = restored["meta"]
+            if not isinstance(meta, Mapping):
+                raise DamagedCheckpoint("its meta is not a JSON object")
+            meta = dict(meta)
+            verify(restored["state"], meta, restored["checksums"])
+        except DamagedCheckpoint:
+            raise
+        except Exception as err:  # orbax / tensorstore / JSON errors of a damaged step all land here
+            first = str(err).strip().splitlines()[0][:100] if str(err).strip() else ""
+            reason = f"{type(err).__name__}: {first}" if first else type(err).__name__
+            raise DamagedCheckpoint(f"unreadable: {reason}") from None
+        return restored["state"], meta
+
+    def _move_aside(self, step: int) -> None:
+        source = os.path.join(self.directory, str(step))
+        target = source + DAMAGED_SUFFIX
+        n = 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{source}{DAMAGED_SUFFIX}{n}"
+        os.replace(source, target)
+        self._manager.reload()
 
     def close(self) -> None:
         self._manager.wait_until_finished()
@@ -101,6 +286,29 @@ class Checkpointer:
         self.close()
 
 
+def _drop_orbax_leftovers() -> None:
+    """Keep a damaged step's report to its one line.
+
+    After a failed read orbax leaves tensorstore callbacks (which then find their event loop closed)
+    and unfinished read coroutines behind; when they end, during the restore or at a later garbage
+    collection, Python prints "Exception ignored" tracebacks of 5-60 lines each for a problem already
+    reported. This hook drops those two kinds, and only those; everything else reaches the previous hook.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_orbax_leftovers", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        exc, obj = unraisable.exc_value, unraisable.object
+        closed_loop = isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+        orbax_read = inspect.iscoroutine(obj) and "orbax" in obj.cr_code.co_filename
+        if not (closed_loop or orbax_read):
+            previous(unraisable)
+
+    hook.drops_orbax_leftovers = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 def key_to_json(key: jax.Array) -> list[int]:
     """A PRNG key as plain ints (for the JSON metadata)."""
     data = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
@@ -108,7 +316,5 @@ def key_to_json(key: jax.Array) -> list[int]:
 
 
 def key_from_json(values: list[int], *, typed: bool = True) -> jax.Array:
-    import numpy as np
-
     data = jax.numpy.asarray(np.asarray(values, dtype=np.uint32))
     return jax.random.wrap_key_data(data) if typed else data

@@ -15,7 +15,7 @@ state keep the partition rules of ``mage_jax.models.sharding``. On one CPU devic
   optimizer state are kept (``jnp.where`` over the tree) and ``skipped = 1`` is reported.
 
 Constrained decoding: when rows were sampled under a token automaton, the recompute replays it
-(``sampling.constraint_masks``) so the log-probs describe the same constrained distribution the
+(``constraints.constraint_masks``) so the log-probs describe the same constrained distribution the
 sampler drew from. The automaton is replayed over the first ``constraint_len`` response tokens, which
 bounds the ``[R, T, V]`` mask to the short action strings it is meant for.
 """
@@ -23,7 +23,6 @@ bounds the ``[R, T, V]`` mask to the short action strings it is meant for.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import flax.struct
@@ -35,10 +34,74 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mage_jax.algorithms import losses
+from mage_jax.constraints import constraint_masks
 from mage_jax.models import sharding as shd
-from mage_jax.models.transformer import make_attention_mask
 
-BATCH_FIELDS = ("tokens", "positions", "token_mask", "targets", "response_mask")
+TOKEN_FIELDS = ("tokens", "positions", "token_mask", "targets", "response_mask")
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    """One mini-batch of ``R`` rows cut to ``T`` tokens: the input of ``compute_logprobs`` and ``update``.
+
+    Token arrays are ``[R, T]`` in the ``PackedBatch`` layout; ``prompt_lengths`` and ``advantages``
+    are ``[R]``; ``old_logprobs`` / ``ref_logprobs`` ``[R, T]`` (the update needs them, the recompute
+    does not); ``transitions`` ``int32[R, S, V]`` is each row's constraint automaton (None: no row of
+    the batch was constrained). Padding rows are fully masked.
+    """
+
+    tokens: Any
+    positions: Any
+    token_mask: Any
+    targets: Any
+    response_mask: Any
+    prompt_lengths: Any
+    advantages: Any = None
+    old_logprobs: Any = None
+    ref_logprobs: Any = None
+    transitions: Any = None
+
+    @classmethod
+    def from_packed(cls, packed: Any, index: np.ndarray, *, length: int | None = None,
+                    advantages: np.ndarray | None = None, constrained: bool = False) -> TrainBatch:
+        """Host arrays of rows ``index`` (``-1``: a masked padding row) of a ``PackedBatch``.
+
+        ``advantages`` is per row ``[R]`` of the whole batch. ``length`` cuts the token axis (rows are
+        right-padded, so any length that holds the longest selected row loses nothing). Log-probs are
+        attached on the device by the caller (``with_logprobs``).
+        """
+        index = np.asarray(index, dtype=np.int64)
+        pad = index < 0
+        safe = np.where(pad, 0, index)
+        length = packed.tokens.shape[1] if length is None else int(length)
+        tokens: dict[str, np.ndarray] = {}
+        for name in TOKEN_FIELDS:
+            arr = np.asarray(getattr(packed, name))[safe, :length].copy()
+            if pad.any():
+                arr[pad] = packed.pad_id if name in ("tokens", "targets") else 0
+            tokens[name] = arr
+        adv = None
+        if advantages is not None:
+            adv = np.where(pad, 0.0, np.asarray(advantages, np.float32)[safe]).astype(np.float32)
+        return cls(
+            **tokens,
+            prompt_lengths=np.where(pad, 0, np.asarray(packed.prompt_lengths)[safe]).astype(np.int32),
+            advantages=adv,
+            transitions=packed.row_transitions(safe) if constrained else None,
+        )
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def gather_rows(table: jax.Array, index: np.ndarray, length: int) -> jax.Array:
+    """Rows ``index`` of a device-resident ``[N, >= length]`` table cut to ``length`` tokens, zeros for
+    padding rows (``-1``): the old / reference log-probs of a mini-batch without a host round trip."""
+    index = np.asarray(index, dtype=np.int64)
+    pad = jnp.asarray(index < 0)[:, None]
+    rows = jnp.take(table, jnp.asarray(np.where(index < 0, 0, index)), axis=0)[:, :length]
+    return jnp.where(pad, 0.0, rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +135,9 @@ def learning_rate_schedule(lr: float, warmup_steps: int = 0) -> optax.Schedule:
     return optax.join_schedules(
         [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)], [warmup_steps]
     )
+
+
+LR_DECAYS = ("constant", "linear", "cosine")
 
 
 def lr_decay(kind: str, progress: float, end_fraction: float = 0.0) -> float:
@@ -145,60 +211,56 @@ class TrainStep:
         return self._state_shardings
 
     # ------------------------------------------------------------------ batches
-    def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Put a host mini-batch on the mesh: rows over ('data', 'fsdp')."""
-        out = {}
-        for name, value in batch.items():
-            if value is None:
-                continue
-            arr = np.asarray(value)
-            spec = PartitionSpec(shd.BATCH_AXES, *([None] * (arr.ndim - 1)))
-            rows = arr.shape[0]
-            divisor = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    def place_batch(self, batch: TrainBatch) -> TrainBatch:
+        """Put a mini-batch on the mesh: rows over ('data', 'fsdp')."""
+        divisor = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+
+        def place(value: Any) -> jax.Array:
+            spec = PartitionSpec(shd.BATCH_AXES, *([None] * (np.ndim(value) - 1)))
+            rows = np.shape(value)[0]
             sharding = NamedSharding(self.mesh, spec) if rows % divisor == 0 else self._replicated
-            out[name] = jax.device_put(arr, sharding)
-        return out
+            return jax.device_put(value, sharding)
+
+        return jax.tree.map(place, batch)
 
     # ------------------------------------------------------------------ model
-    def _token_logprobs(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def _token_logprobs(self, params: Any, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(self.graphdef, params)
-        mask = make_attention_mask(batch["token_mask"])
-        hidden, _ = model(batch["tokens"], batch["positions"], mask)
-        allowed = self._allowed(batch) if "transitions" in batch else None
+        hidden, _ = model(batch.tokens, batch.positions, batch.token_mask)
+        allowed = self._allowed(batch) if batch.transitions is not None else None
         return losses.token_logprobs_and_entropy(
-            hidden, model.head_weight(), batch["targets"], chunk_size=self.config.chunk_size,
+            hidden, model.head_weight(), batch.targets, chunk_size=self.config.chunk_size,
             temperature=1.0, allowed=allowed,
         )
 
-    def _allowed(self, batch: dict[str, jax.Array]) -> jax.Array:
+    def _allowed(self, batch: TrainBatch) -> jax.Array:
         """bool[R, T, V]: the constraint mask of each target position (all True outside the response)."""
-        from mage_jax.sampling import constraint_masks
-
-        targets = batch["targets"]
+        targets = batch.targets
         rows, length = targets.shape
         steps = max(1, min(self.config.constraint_len, length))
-        start = jnp.maximum(batch["prompt_lengths"] - 1, 0)  # target index of the first response token
+        start = jnp.maximum(batch.prompt_lengths - 1, 0)  # target index of the first response token
         gather = jnp.clip(start[:, None] + jnp.arange(steps)[None, :], 0, length - 1)
         response = jnp.take_along_axis(targets, gather, axis=1)
-        masks = constraint_masks(batch["transitions"], response)  # [R, steps, V]
+        masks = constraint_masks(batch.transitions, response)  # [R, steps, V]
         offset = jnp.arange(length)[None, :] - start[:, None]  # [R, T]
         inside = (offset >= 0) & (offset < steps)
         picked = jnp.take_along_axis(masks, jnp.clip(offset, 0, steps - 1)[:, :, None], axis=1)
         return jnp.where(inside[:, :, None], picked, True)
 
     # ------------------------------------------------------------------ jitted entry points
-    def compute_logprobs(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    def compute_logprobs(self, params: Any, batch: TrainBatch) -> jax.Array:
         """log pi(target) at temperature 1, float32 [R, T] (0 outside the response)."""
         if self._logprobs is None:
 
             def fn(params, batch):
                 logp, _ = self._token_logprobs(params, batch)
-                return jnp.where(batch["response_mask"], logp, 0.0)
+                return jnp.where(batch.response_mask, logp, 0.0)
 
             self._logprobs = jax.jit(fn, out_shardings=self._batch_sharding)
-        return self._logprobs(params, batch)
+        with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
+            return self._logprobs(params, batch)
 
-    def update(self, state: TrainState, batch: dict[str, jax.Array],
+    def update(self, state: TrainState, batch: TrainBatch,
                lr_scale: float = 1.0) -> tuple[TrainState, dict[str, Any]]:
         """One optimizer step on one mini-batch (``state`` is donated).
 
@@ -217,7 +279,8 @@ class TrainStep:
                 donate_argnums=(0,),
                 out_shardings=(self.state_shardings(state), self._replicated),
             )
-        grads, metrics = self._grads(state.params, batch)
+        with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
+            grads, metrics = self._grads(state.params, batch)
         return self._update(state, grads, metrics, jnp.float32(lr_scale))
 
     def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array], lr_scale: jax.Array):
@@ -244,21 +307,21 @@ class TrainStep:
         )
         return new_state, metrics
 
-    def _grads_fn(self, params: Any, batch: dict[str, jax.Array]):
+    def _grads_fn(self, params: Any, batch: TrainBatch):
         cfg = self.config
-        mask = batch["response_mask"]
+        mask = batch.response_mask
 
         def loss_fn(params):
             logp, entropy = self._token_logprobs(params, batch)
             pg_loss, pg_metrics = losses.ppo_loss(
-                logp, batch["old_logprobs"], batch["advantages"], mask,
+                logp, batch.old_logprobs, batch.advantages, mask,
                 clip_eps=cfg.clip_eps, dual_clip=cfg.dual_clip, agg_mode=cfg.aggregation,
             )
             entropy_term = losses.aggregate(entropy, mask, cfg.aggregation)
             loss = pg_loss - cfg.entropy_coef * entropy_term
             kl_term = jnp.float32(0.0)
             if cfg.kl_coef > 0:
-                kl = losses.kl_penalty(logp, batch["ref_logprobs"], cfg.kl_kind)
+                kl = losses.kl_penalty(logp, batch.ref_logprobs, cfg.kl_kind)
                 kl_term = losses.aggregate(kl, mask, cfg.aggregation)
                 loss = loss + cfg.kl_coef * kl_term
             metrics = {
@@ -274,65 +337,3 @@ class TrainStep:
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         metrics = dict(metrics, loss=loss, response_tokens=mask.sum().astype(jnp.float32))
         return grads, metrics
-
-
-def length_grouped_minibatches(
-    lengths: np.ndarray, size: int, rng: np.random.Generator, buckets: Sequence[int]
-) -> list[np.ndarray]:
-    """Mini-batches of ``size`` rows from the same length bucket, in random order (``-1`` pads the last).
-
-    Rows are shuffled, stably sorted by their length *bucket* (not by exact length: rows of equal
-    length are often copies of one situation, and mini-batches of near-identical rows make the
-    updates oscillate) and cut into consecutive blocks, so most mini-batches need only their own
-    bucket. The order of the blocks is random; every row is used exactly once per epoch.
-    """
-    lengths = np.asarray(lengths)
-    n = len(lengths)
-    bucket_of = np.searchsorted(np.asarray(sorted(buckets)), lengths, side="left")
-    order = rng.permutation(n)
-    order = order[np.argsort(bucket_of[order], kind="stable")]
-    count = max(1, -(-n // size))
-    padded = np.full(count * size, -1, dtype=np.int64)
-    padded[:n] = order
-    blocks = [padded[i * size:(i + 1) * size] for i in range(count)]
-    return [blocks[i] for i in rng.permutation(count)]
-
-
-def minibatch_arrays(
-    packed: Any,
-    index: np.ndarray,
-    *,
-    advantages: np.ndarray | None = None,
-    old_logprobs: np.ndarray | None = None,
-    ref_logprobs: np.ndarray | None = None,
-    constrained: bool = False,
-    length: int | None = None,
-) -> dict[str, np.ndarray]:
-    """Host arrays of rows ``index`` (``-1``: a masked padding row) of a ``PackedBatch``.
-
-    ``advantages`` is per row ``[R]`` of the whole batch; ``old_logprobs`` / ``ref_logprobs`` are
-    ``[n, >= length]`` arrays already aligned with ``index``. ``length`` cuts the token axis (rows are
-    right-padded, so any length that holds the longest selected row loses nothing).
-    """
-    index = np.asarray(index, dtype=np.int64)
-    pad = index < 0
-    safe = np.where(pad, 0, index)
-    length = packed.tokens.shape[1] if length is None else int(length)
-    out: dict[str, np.ndarray] = {}
-    for name in BATCH_FIELDS:
-        arr = np.asarray(getattr(packed, name))[safe, :length].copy()
-        if pad.any():
-            arr[pad] = packed.pad_id if name in ("tokens", "targets") else 0
-        out[name] = arr
-    out["prompt_lengths"] = np.where(pad, 0, np.asarray(packed.prompt_lengths)[safe]).astype(np.int32)
-    if advantages is not None:
-        out["advantages"] = np.where(pad, 0.0, np.asarray(advantages, np.float32)[safe]).astype(np.float32)
-    if old_logprobs is not None:
-        out["old_logprobs"] = np.asarray(old_logprobs, np.float32)[:, :length]
-    if ref_logprobs is not None:
-        out["ref_logprobs"] = np.asarray(ref_logprobs, np.float32)[:, :length]
-    if constrained:
-        trans = packed.row_transitions(safe)
-        if trans is not None:
-            out["transitions"] = trans
-    return out

@@ -9,7 +9,7 @@ import pytest
 from experiments.ablations import ABLATIONS
 from experiments.ablations.opponent_pool import skewed_pool
 from experiments.ablations.opponent_pool import variants as pool_variants
-from experiments.presets import environment
+from experiments.environments import environment
 from experiments.suite import variant_config
 
 VARIANTS = {
@@ -62,7 +62,7 @@ def test_pool_variants_train_on_their_pool_and_are_all_evaluated_on_the_balanced
     for v in pool_variants(env):
         cfg = variant_config(spec, v, "tiny", 0, str(tmp_path), {})
         pools[v.name] = dict(zip(cfg.env.opponents, cfg.env.opponent_ratios))
-        assert dict(v.options["eval_pool"]) == balanced
+        assert dict(v.protocol["eval_pool"]) == balanced
     assert pools["balanced"] == balanced
     assert len(pools["single_fixed"]) == 1
     assert abs(sum(pools["pattern_skewed"].values()) - 1) < 1e-9

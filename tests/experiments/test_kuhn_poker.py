@@ -11,8 +11,10 @@ import pytest
 
 from experiments import evaluate, kuhn_poker
 from mage_jax import config as C
+from mage_jax.evaluation.report import results_table
 from mage_jax.logging import read_jsonl
 from mage_jax.training import trainer as trainer_module
+from tests.training.test_checkpoint import flip_bytes
 
 TIMING = {"time", "wall_seconds", "rollout_seconds", "update_seconds", "iteration_seconds", "rows_per_second"}
 RUN = {"train.iterations": 3, "checkpoint.every": 1, "checkpoint.keep": 2}
@@ -56,7 +58,7 @@ def test_main_job_writes_a_complete_run_directory(finished_run, capsys):
     assert summary["evaluation"]["heldout"]["metrics"]["by_opponent"].keys() == {"cfr"}
     assert {"eval_success.png", "eval_payoff.png", "heldout_success.png", "training.png"} <= set(
         os.listdir(run_dir / "plots"))
-    table = kuhn_poker.results_table(summary)
+    table = results_table(summary, kuhn_poker.SPEC.titles)
     assert "held-out CFR opponent" in table and "ceiling" in table
 
 
@@ -79,6 +81,32 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(finished_run, tmp_path
     assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume"]) == 0
     assert comparable(run_dir) == comparable(reference_dir)
 
+
+
+def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_finishes_identically(
+        finished_run, tmp_path, monkeypatch, capsys):
+    """64 flipped bytes in the newest step's parameter data: resume warns in one line, restores the
+    older step, retrains from there and ends with the uninterrupted run's metrics."""
+    _, reference_dir, args = finished_run
+    run_dir = tmp_path / "run"
+    original = trainer_module.Trainer.train_iteration
+
+    def stop_after_two(self, iteration):
+        metrics = original(self, iteration)
+        if iteration == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return metrics
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", stop_after_two)
+    assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == 0
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
+    flip_bytes(run_dir / "checkpoints" / "2")
+    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", original)
+    capsys.readouterr()
+    assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "step 2" in warnings[0] and "restored step 1" in warnings[0]
+    assert comparable(run_dir) == comparable(reference_dir)
 
 def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):
     _, run_dir, _ = finished_run
@@ -110,3 +138,23 @@ def test_bad_config_is_one_error_line_nonzero_exit_and_nothing_written(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message)
     assert not run_dir.exists()
+
+
+def test_a_model_folder_with_nan_weights_is_one_error_line_naming_the_tensor(tiny_hf_model, tmp_path, capsys,
+                                                                            smoke_args):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "nan_model"
+    shutil.copytree(tiny_hf_model, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    argv = [*smoke_args(), "--preset", "small", "--model-path", str(folder),
+            "--run-dir", str(tmp_path / "run")]
+    assert kuhn_poker.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("error: model: tensor 'model.layers.0.mlp.up_proj.weight'")
+    assert "non-finite" in err[0]

@@ -54,6 +54,9 @@ def test_quickstart_trains_plots_per_opponent_and_shows_transcripts(tmp_path, mo
     assert _images(nb) >= 2  # per-opponent success/payoff figure and training curves
     runs = list((tmp_path / "runs").glob("quickstart-*/summary.json"))
     assert len(runs) == 1
+    assert all(c.execution_count is not None for c in nb.cells if c.cell_type == "code")
+    assert "jax " in text and "(mage-jax needs <0.11,>=0.7.0): ok" in text
+    assert "flax " in text and "(mage-jax needs <0.13,>=0.12.0): ok" in text
 
 
 def test_pretrained_notebook_evaluates_zero_shot_with_reflections_and_starts_training(
@@ -66,8 +69,11 @@ def test_pretrained_notebook_evaluates_zero_shot_with_reflections_and_starts_tra
     assert f"--model-path {tiny_hf_model}" in text
     assert "MAGE on Kuhn Poker: 2 tasks x 2 meta-episodes, differential meta-reward, gigpo" in text
     root = next((tmp_path / "runs").glob("zero-shot-*"))
-    assert {p.parent.name for p in root.glob("*/summary.json")} == {"kuhn_poker", "tic_tac_toe"}
+    # the smoke setting trains too: every cell runs
+    runs = {p.parent.name for p in root.glob("*/summary.json")}
+    assert runs == {"kuhn_poker", "tic_tac_toe", "mage_kuhn_poker"}
     assert _images(nb) >= 1
+    assert all(c.execution_count is not None for c in nb.cells if c.cell_type == "code")
 
 
 def test_pretrained_notebook_stops_with_a_clear_message_without_a_model_folder(tmp_path, monkeypatch):
@@ -75,3 +81,75 @@ def test_pretrained_notebook_stops_with_a_clear_message_without_a_model_folder(t
     with pytest.raises(nbclient.exceptions.CellExecutionError, match="not a local Hugging Face model folder"):
         _execute("pretrained_zero_shot.ipynb", tmp_path, {"MAGE_MODEL_PATH": missing}, monkeypatch)
     assert os.path.isdir(NOTEBOOKS)
+
+
+# -- the install cell: a local checkout, else the repository URL named in one place -------------------
+
+
+def _install_cell(name: str) -> str:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    [cell] = [c for c in nb.cells if c.cell_type == "code" and "REPO_URL =" in c.source]
+    return cell.source
+
+
+def _run_install_cell(monkeypatch, *, pip_ok=(True,)):
+    """Executes the install cell as if mage_jax were not installed; returns the pip commands it ran."""
+    import importlib.util
+    import subprocess
+
+    commands, results = [], list(pip_ok)
+    real_find_spec = importlib.util.find_spec
+
+    def run(cmd, **kwargs):
+        commands.append(cmd[cmd.index("install") + 2:])
+        return subprocess.CompletedProcess(cmd, 0 if results.pop(0) else 1)
+
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mage_jax" else real_find_spec(name, *a))
+    monkeypatch.setattr(subprocess, "run", run)
+    exec(compile(_install_cell("quickstart.ipynb"), "install_cell", "exec"), {})
+    return commands
+
+
+def test_both_notebooks_share_one_install_cell():
+    assert _install_cell("quickstart.ipynb") == _install_cell("pretrained_zero_shot.ipynb")
+
+
+def test_install_cell_installs_a_local_checkout_keeping_the_runtime_jax(monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.chdir(NOTEBOOKS)  # a notebook opened inside a clone: the checkout is ".."
+    monkeypatch.delenv("MAGE_REPO_URL", raising=False)
+    [command] = _run_install_cell(monkeypatch)
+    checkout = str(NOTEBOOKS.parent)
+    assert command[0] == f"{checkout}[games]"
+    assert f"jax=={importlib.metadata.version('jax')}" in command[1:]
+    assert f"jaxlib=={importlib.metadata.version('jaxlib')}" in command[1:]
+
+
+def test_install_cell_installs_from_the_repository_url_and_lets_pip_choose_jax_when_it_must(
+        monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)  # no checkout anywhere near
+    monkeypatch.setenv("MAGE_REPO_URL", "https://example.org/me/mage-jax@v1")
+    first, second = _run_install_cell(monkeypatch, pip_ok=(False, True))
+    assert [first[0]] == second == ["mage-jax[games] @ git+https://example.org/me/mage-jax@v1"]
+    assert any(arg.startswith("jax==") for arg in first)
+    assert "outside mage-jax's bounds" in capsys.readouterr().out
+
+
+def test_install_cell_without_checkout_or_url_says_what_to_set(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MAGE_REPO_URL", raising=False)
+    with pytest.raises(RuntimeError, match="set REPO_URL in this cell"):
+        _run_install_cell(monkeypatch)
+
+
+def test_the_install_target_of_a_checkout_is_one_pip_accepts(monkeypatch):
+    import subprocess
+    import sys
+
+    target = f"{NOTEBOOKS.parent}[games]"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps",
+                           "--no-build-isolation", "--no-index", "-q", target],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -9,11 +9,13 @@ import json
 import pytest
 
 from experiments.common import parse_command_line
-from experiments.presets import ENVIRONMENT_MODULES, PAPER_SETTINGS, environment
+from experiments.environments import ENVIRONMENTS, environment
 from mage_jax import config as C
+from mage_jax.training.assemble import env_options
 
-ENVS = tuple(ENVIRONMENT_MODULES)
+ENVS = tuple(ENVIRONMENTS)
 MODULES = (
+    "experiments.kuhn_poker",
     "experiments.tic_tac_toe",
     "experiments.sokoban",
     "experiments.minesweeper",
@@ -58,25 +60,78 @@ def test_pretrained_presets_with_a_missing_folder_name_the_folder(env, tmp_path)
         environment(env).config("paper", {"model.path": str(tmp_path / "absent")})
 
 
-@pytest.mark.parametrize("env", ENVS)
-def test_paper_preset_follows_the_paper_settings_table(env, model_dir):
-    cfg = environment(env).config("paper", {"model.path": model_dir})
-    p = PAPER_SETTINGS[env]
-    assert (cfg.rollout.num_tasks, cfg.rollout.group_size, cfg.train.iterations) == (
-        p.num_tasks,
-        p.group_size,
-        p.iterations,
-    )
-    assert (cfg.rollout.max_prompt_tokens, cfg.rollout.max_response_tokens) == (
-        p.max_prompt_tokens,
-        p.max_response_tokens,
-    )
-    assert cfg.rollout.max_turns == p.max_turns
-    assert cfg.optim.kl_coef == (0.1 if p.kl else 0.0) and cfg.optim.lr == 1e-6
-    assert cfg.algorithm.length_penalty == p.length_penalty
-    assert cfg.algorithm.invalid_penalty == p.invalid_penalty and cfg.algorithm.gamma_traj == p.gamma_traj
+# Spec section 8, copied by hand: tasks x group, iterations, max turns, prompt / response tokens, KL 0.1,
+# length penalty (0 = off), invalid penalty, gamma_traj; and the paper's evaluation episodes (ALFWorld up to
+# the 10th attempt, WebShop by the 5th, the games 3).
+SPEC_SECTION_8 = {
+    "kuhn_poker": ((16, 8), 150, 6, (4096, 8192), True, 2.0, 2.0, 0.6, 3),
+    "tic_tac_toe": ((16, 8), 150, 8, (4096, 3072), True, 2.0, 0.5, 0.6, 3),
+    "alfworld": ((8, 8), 150, 10, (4096, 1024), False, 0.0, 0.5, 0.6, 10),
+    "sokoban": ((16, 8), 300, 7, (4096, 4096), False, 1.0, 0.5, 0.9, 3),
+    "webshop": ((8, 8), 150, 12, (8192, 1024), False, 0.0, 0.5, 0.6, 5),
+}
+
+
+@pytest.fixture(scope="module")
+def webshop_data(tmp_path_factory):
+    """A folder holding the names of the official 1000-product WebShop files (content is not read here)."""
+    path = tmp_path_factory.mktemp("webshop_data")
+    for name in ("items_shuffle_1000.json", "items_ins_v2_1000.json"):
+        (path / name).write_text("[]")
+    return str(path)
+
+
+def paper_overrides(env, model_dir, webshop_data):
+    return {"model.path": model_dir, **({"env.data_dir": webshop_data} if env == "webshop" else {})}
+
+
+@pytest.mark.parametrize("env", sorted(SPEC_SECTION_8))
+def test_paper_preset_resolves_to_the_spec_settings_table(env, model_dir, webshop_data):
+    cfg = environment(env).config("paper", paper_overrides(env, model_dir, webshop_data))
+    tasks_group, iterations, turns, tokens, kl, length, invalid, gamma_traj, eval_eps = SPEC_SECTION_8[env]
+    r, a, s = cfg.rollout, cfg.algorithm, cfg.sampling
+    assert (r.num_tasks, r.group_size) == tasks_group and cfg.train.iterations == iterations
+    assert r.max_turns == turns and (r.max_prompt_tokens, r.max_response_tokens) == tokens
+    assert cfg.optim.kl_coef == (0.1 if kl else 0.0) and cfg.optim.lr == 1e-6
+    assert (a.length_penalty, a.invalid_penalty, a.gamma_traj) == (length, invalid, gamma_traj)
+    assert cfg.train.eval_num_episodes == eval_eps and r.num_episodes == 3
+    assert (s.train.temperature, s.train.top_p, s.train.top_k) == (1.0, 1.0, 0)
+    assert (s.eval.temperature, s.eval.top_p, s.eval.top_k) == (0.7, 0.8, 20)
     assert cfg.tokenizer.kind == "hf" and cfg.rollout.reflect and cfg.rollout.memory_mode == "reflection_only"
     assert cfg.mesh.fsdp == -1 and cfg.model.dtype == "bfloat16"
+
+
+def test_every_paper_environment_is_in_the_spec_table_but_minesweeper():
+    assert set(ENVS) - set(SPEC_SECTION_8) == {"minesweeper"}  # a LaMer task: no column in the paper
+
+
+def test_webshop_paper_preset_shops_in_the_official_data_or_stops_with_one_line(model_dir, webshop_data,
+                                                                                tmp_path):
+    web = environment("webshop")
+    with pytest.raises(C.ConfigError) as err:
+        web.config("paper", {"model.path": model_dir})
+    message = str(err.value)
+    assert "\n" not in message and "--env.data_dir" in message
+    assert "items_shuffle_1000.json" in message and "items_ins_v2_1000.json" in message
+    (tmp_path / "items_shuffle_1000.json").write_text("[]")
+    with pytest.raises(C.ConfigError, match=r"lacks items_ins_v2_1000.json"):
+        web.config("paper", {"model.path": model_dir, "env.data_dir": str(tmp_path)})
+    cfg = web.config("paper", {"model.path": model_dir, "env.data_dir": webshop_data})
+    assert cfg.env.options == {"split": "train", "size": "small", "human_goals": False}
+    assert env_options(cfg)["data_dir"] == webshop_data  # what the environment is built with
+    for preset in ("tiny", "small"):  # the generated catalogue stays for the other scales
+        small = web.config(preset, {"model.path": model_dir} if preset == "small" else {})
+        assert small.env.data_dir is None and "data_dir" not in env_options(small)
+
+
+def test_webshop_paper_preset_without_data_on_the_command_line_writes_nothing(model_dir, tmp_path, capsys):
+    from experiments import webshop
+
+    argv = ["--preset", "paper", "--model-path", model_dir, "--run-dir", str(tmp_path / "r")]
+    assert webshop.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: preset 'paper' shops in the official") and "\n" not in err
+    assert not (tmp_path / "r").exists()
 
 
 def test_paper_sokoban_propagates_across_episodes_with_gamma_09(model_dir):
@@ -85,11 +140,14 @@ def test_paper_sokoban_propagates_across_episodes_with_gamma_09(model_dir):
 
 @pytest.mark.parametrize("module", MODULES)
 @pytest.mark.parametrize("preset", ["tiny", "small", "paper"])
-def test_command_line_of_every_module_and_preset_builds_the_config(module, preset, model_dir, tmp_path):
+def test_command_line_of_every_module_and_preset_builds_the_config(module, preset, model_dir, webshop_data,
+                                                                   tmp_path):
     mod = importlib.import_module(module)
     argv = ["--preset", preset, "--run-dir", str(tmp_path / "run"), "--train.iterations", "3"]
     if preset != "tiny":
         argv += ["--model-path", model_dir]
+    if preset == "paper" and module == "experiments.webshop":
+        argv += ["--env.data_dir", webshop_data]
     cfg, options = parse_command_line(
         argv, experiment=mod.EXPERIMENT, presets=mod.PRESETS, default_preset="tiny"
     )
@@ -109,7 +167,7 @@ def test_missing_model_folder_on_the_command_line_is_one_error_line(module, caps
 def test_tic_tac_toe_reports_mcts100_first_as_table_entry_and_mcts1000_held_out():
     spec = environment("tic_tac_toe")
     cfg = spec.config("tiny")
-    opts = spec.options(cfg)
+    opts = spec.protocol(cfg)
     assert cfg.env.heldout_opponent == "mcts-1000" and cfg.env.heldout_seat == "first"
     assert opts.headline_split == "mcts100_first"
     (split,) = opts.extra_splits
@@ -121,7 +179,7 @@ def test_sokoban_evaluates_one_and_three_boxes_held_out():
     spec = environment("sokoban")
     cfg = spec.config("tiny")
     assert cfg.env.options == {"num_boxes": 2} and cfg.env.opponents == ()
-    assert {s.name: dict(s.env_options) for s in spec.options(cfg).extra_splits} == {
+    assert {s.name: dict(s.env_options) for s in spec.protocol(cfg).extra_splits} == {
         "boxes_1": {"num_boxes": 1},
         "boxes_3": {"num_boxes": 3},
     }
@@ -129,12 +187,12 @@ def test_sokoban_evaluates_one_and_three_boxes_held_out():
 
 def test_alfworld_and_webshop_evaluate_their_held_out_splits():
     alf = environment("alfworld")
-    splits = {s.name: dict(s.env_options) for s in alf.options(alf.config("tiny")).extra_splits}
+    splits = {s.name: dict(s.env_options) for s in alf.protocol(alf.config("tiny")).extra_splits}
     assert splits == {"valid_seen": {"split": "valid_seen"}, "valid_unseen": {"split": "valid_unseen"}}
     lamer = alf.config("tiny", {"env.options": {"split": "lamer_train"}})
-    assert [s.name for s in alf.options(lamer).extra_splits][-1] == "lamer_heldout"
+    assert [s.name for s in alf.protocol(lamer).extra_splits][-1] == "lamer_heldout"
     web = environment("webshop")
-    assert [dict(s.env_options) for s in web.options(web.config("tiny")).extra_splits] == [{"split": "test"}]
+    assert [dict(s.env_options) for s in web.protocol(web.config("tiny")).extra_splits] == [{"split": "test"}]
 
 
 def test_unknown_environment_and_preset_are_config_errors():

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from experiments.presets import environment
+from experiments.environments import environment
 from experiments.suite import (
     RunRecord,
     Variant,

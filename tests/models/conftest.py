@@ -90,10 +90,8 @@ def left_padded_batch():
 def _logits_impl(graphdef, state, tokens, positions, mask):
     from flax import nnx
 
-    from mage_jax.models import make_attention_mask
-
     model = nnx.merge(graphdef, state)
-    hidden, _ = model(tokens, positions, make_attention_mask(mask))
+    hidden, _ = model(tokens, positions, mask)
     return model.logits(hidden)
 
 

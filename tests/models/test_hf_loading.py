@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +130,81 @@ def test_unexpected_tensor_is_named(hf_checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.2\.mlp\.up_proj\.weight'"):
         load_hf_params(folder)
 
+
+
+# -- an untrusted folder: damaged files, escaping index entries, non-finite weights ---------------------
+
+
+def test_truncated_safetensors_file_is_one_error_naming_the_file(hf_checkpoint, tmp_path):
+    folder = _copy(hf_checkpoint("qwen3", False)[0], tmp_path)
+    path = os.path.join(folder, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(ValueError, match=r"safetensors file '.*model\.safetensors' is damaged") as info:
+        load_hf_params(folder)
+    assert "\n" not in str(info.value)
+
+
+def test_oversized_safetensors_header_is_one_error_naming_the_file(hf_checkpoint, tmp_path):
+    folder = _copy(hf_checkpoint("qwen3", False)[0], tmp_path)
+    path = os.path.join(folder, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.write(struct.pack("<Q", 10**12))  # the header length field: far beyond the file
+    damaged = r"safetensors file '.*model\.safetensors' is damaged.*header too large"
+    with pytest.raises(ValueError, match=damaged):
+        load_hf_params(folder)
+
+
+def test_a_damaged_shard_of_an_indexed_checkpoint_is_named(hf_checkpoint, tmp_path):
+    folder, _ = hf_checkpoint("qwen3", False)
+    config, _, state = load_hf_params(folder)
+    export_hf(state, config, tmp_path / "sharded", max_shard_bytes=40_000)
+    shard = sorted(f for f in os.listdir(tmp_path / "sharded") if f.endswith(".safetensors"))[1]
+    path = tmp_path / "sharded" / shard
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"safetensors file '.*{shard}' is damaged"):
+        load_hf_params(tmp_path / "sharded")
+
+
+@pytest.mark.parametrize("target", ["../outside.safetensors", "/etc/outside.safetensors",
+                                    "sub/../../outside.safetensors"])
+def test_an_index_may_not_point_outside_the_model_folder(hf_checkpoint, tmp_path, target):
+    folder, _ = hf_checkpoint("qwen3", False)
+    config, _, state = load_hf_params(folder)
+    export_hf(state, config, tmp_path / "sharded", max_shard_bytes=40_000)
+    index_path = tmp_path / "sharded" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = sorted(index["weight_map"])[0]
+    shutil.copy(tmp_path / "sharded" / index["weight_map"][first], tmp_path / "outside.safetensors")
+    index["weight_map"][first] = target
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"points outside the model folder: '{re.escape(target)}'"):
+        load_hf_params(tmp_path / "sharded")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_weights_are_one_error_naming_the_tensor(hf_checkpoint, tmp_path, bad):
+    folder = _copy(hf_checkpoint("qwen3", False)[0], tmp_path)
+
+    def poison(t):
+        t["model.layers.1.mlp.down_proj.weight"][3, 5] = bad
+
+    _rewrite(folder, poison)
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight' in .* "
+                                         r"holds non-finite values"):
+        load_hf_params(folder)
+
+
+def test_weights_that_overflow_the_target_dtype_are_refused(hf_checkpoint, tmp_path):
+    folder = _copy(hf_checkpoint("qwen3", False)[0], tmp_path)
+
+    def huge(t):
+        t["model.norm.weight"][0] = 1e6  # finite in float32, inf in float16
+
+    _rewrite(folder, huge)
+    load_hf_params(folder)  # float32: fine
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' .* non-finite values .* as float16"):
+        load_hf_params(folder, dtype="float16")
 
 def test_unknown_architecture_and_unsupported_options_are_refused(hf_checkpoint, tmp_path):
     folder = _copy(hf_checkpoint("qwen3", False)[0], tmp_path)

@@ -106,7 +106,7 @@ _SCRIPT = textwrap.dedent(
     import json, sys
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
-    from mage_jax.models import make_attention_mask, positions_from_mask
+    from mage_jax.models import positions_from_mask
     from mage_jax.models.hf_loading import load_hf_params
     from mage_jax.models.sharding import (MeshConfig, batch_sharding, cache_sharding, init_sharded, make_mesh,
                                           opt_state_shardings, shard_state)
@@ -120,7 +120,7 @@ _SCRIPT = textwrap.dedent(
 
     def logits(graphdef, state, tokens, mask):
         m = nnx.merge(graphdef, state)
-        hidden, _ = m(tokens, positions_from_mask(mask), make_attention_mask(mask))
+        hidden, _ = m(tokens, positions_from_mask(mask), mask)
         return m.logits(hidden)
 
     config, graphdef, state = load_hf_params(path)

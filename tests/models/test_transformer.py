@@ -15,7 +15,6 @@ from mage_jax.models import (
     Transformer,
     init_cache,
     make_attention_mask,
-    make_cached_attention_mask,
     positions_from_mask,
 )
 from mage_jax.models.hf_loading import load_hf_model
@@ -63,9 +62,15 @@ def test_cached_prefill_then_step_by_step_decoding_equals_full_forward(hf_checkp
     full = _forward(model, tokens, mask, positions)
 
     @jax.jit
-    def run(state, tokens, positions, attn, cache, index):
+    def fill(state, tokens, positions, segments, cache):
         m = nnx.merge(graphdef, state)
-        hidden, cache = m(tokens, positions, attn, cache, index)
+        hidden, cache = m(tokens, positions, segments, cache, 0)
+        return m.logits(hidden), cache
+
+    @jax.jit
+    def decode(state, tokens, positions, kv_start, cache, index):
+        m = nnx.merge(graphdef, state)
+        hidden, cache = m(tokens, positions, cache=cache, cache_index=index, kv_start=kv_start)
         return m.logits(hidden), cache
 
     b, t = tokens.shape
@@ -73,23 +78,20 @@ def test_cached_prefill_then_step_by_step_decoding_equals_full_forward(hf_checkp
     cache = init_cache(model.config, b, max_len, jnp.float32)
     assert [a.shape for a in cache.k] == [(b, 2, 16, max_len)] * 2  # per layer [B,Hkv,D,S]
     assert [a.shape for a in cache.v] == [(b, 2, max_len, 16)] * 2  # per layer [B,Hkv,S,D]
-    valid = np.zeros((b, max_len), bool)
-    valid[:, :prefill] = mask[:, :prefill]
-    attn = make_cached_attention_mask(valid, 0, prefill)
-    logits, cache = run(state, tokens[:, :prefill], positions[:, :prefill], attn, cache, jnp.int32(0))
+    logits, cache = fill(state, tokens[:, :prefill], positions[:, :prefill], mask[:, :prefill], cache)
     expected = np.broadcast_to(np.arange(max_len) < prefill, (b, max_len))
     for layer in range(2):  # prefill wrote exactly slots 0..prefill-1 of every layer
         for kv in map(np.asarray, cache.layer(layer)):
             assert kv.shape == (b, max_len, 2, 16)
             np.testing.assert_array_equal(np.abs(kv).sum(axis=(2, 3)) > 0, expected)
     chunks = [np.asarray(logits)]
+    kv_start = jnp.asarray(np.argmax(mask, axis=1), jnp.int32)  # left padding: the first real slot
     for i in range(prefill, t):
-        valid[:, i] = mask[:, i]
-        attn = make_cached_attention_mask(valid, i, 1)
-        logits, cache = run(state, tokens[:, i:i + 1], positions[:, i:i + 1], attn, cache, jnp.int32(i))
+        step = (tokens[:, i:i + 1], positions[:, i:i + 1])
+        logits, cache = decode(state, *step, kv_start, cache, jnp.int32(i))
         chunks.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(chunks, axis=1)[mask], full[mask], atol=1e-5, rtol=1e-5)
-    assert run._cache_size() == 2  # one prefill and one decode shape
+    assert decode._cache_size() == 1  # one decode program for every step
 
 
 def test_greedy_decoding_with_cache_matches_hugging_face_generate(hf_checkpoint):
@@ -101,20 +103,20 @@ def test_greedy_decoding_with_cache_matches_hugging_face_generate(hf_checkpoint)
     max_len = len(prompt) + new
 
     @jax.jit
-    def step(state, tokens, positions, valid, cache, index):
+    def step(state, tokens, positions, cache, index):
         m = nnx.merge(graphdef, state)
-        attn = make_cached_attention_mask(valid, index, tokens.shape[1])
-        hidden, cache = m(tokens, positions, attn, cache, index)
+        if tokens.shape[1] > 1:  # prefill
+            hidden, cache = m(tokens, positions, jnp.ones(tokens.shape, bool), cache, index)
+        else:
+            start = jnp.zeros(1, jnp.int32)
+            hidden, cache = m(tokens, positions, cache=cache, cache_index=index, kv_start=start)
         return jnp.argmax(m.logits(hidden)[:, -1], axis=-1), cache
 
     cache = init_cache(nnx.merge(graphdef, state).config, 1, max_len)
-    valid = np.zeros((1, max_len), bool)
-    valid[0, :len(prompt)] = True
-    nxt, cache = step(state, jnp.asarray([prompt]), jnp.arange(len(prompt))[None], valid, cache, 0)
+    nxt, cache = step(state, jnp.asarray([prompt]), jnp.arange(len(prompt))[None], cache, 0)
     out = [int(nxt[0])]
     for i in range(len(prompt), max_len - 1):
-        valid[0, i] = True
-        nxt, cache = step(state, nxt[:, None], jnp.asarray([[i]]), valid, cache, i)
+        nxt, cache = step(state, nxt[:, None], jnp.asarray([[i]]), cache, i)
         out.append(int(nxt[0]))
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
@@ -130,7 +132,7 @@ def test_bfloat16_computation_stays_close_to_float32(hf_checkpoint, left_padded_
     bf16 = load_hf_model(folder, bf16_config)
     assert bf16.embed.embedding.value.dtype == jnp.bfloat16
     assert bf16.head_weight().dtype == jnp.bfloat16
-    hidden = jax.eval_shape(lambda: bf16(tokens, positions, make_attention_mask(mask))[0])
+    hidden = jax.eval_shape(lambda: bf16(tokens, positions, mask)[0])
     assert hidden.dtype == jnp.bfloat16
     logits = _forward(bf16, tokens, mask, positions)
     assert logits.dtype == np.float32
@@ -149,18 +151,19 @@ def test_head_weight_is_the_transposed_embedding_when_tied(hf_checkpoint):
     np.testing.assert_array_equal(untied.head_weight(), untied.lm_head.kernel.value)
 
 
-def test_remat_changes_neither_outputs_nor_gradients(left_padded_batch):
+@pytest.mark.parametrize("policy", ["full", "dots_with_no_batch_dims_saveable"])
+def test_remat_changes_neither_outputs_nor_gradients(left_padded_batch, policy):
     tokens, mask, positions = left_padded_batch
     config = ModelConfig.preset("tiny", vocab_size=64, num_layers=1, hidden_size=64, intermediate_size=96)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(0)
     state = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.2, a.shape), a.dtype), abstract)
     remat_graphdef = nnx.split(nnx.eval_shape(
-        lambda: Transformer(dataclasses.replace(config, remat=True), rngs=nnx.Rngs(0))))[0]
+        lambda: Transformer(dataclasses.replace(config, remat=policy), rngs=nnx.Rngs(0))))[0]
 
     def loss(state, graphdef):
         m = nnx.merge(graphdef, state)
-        hidden, _ = m(tokens, positions, make_attention_mask(mask))
+        hidden, _ = m(tokens, positions, mask)
         return jnp.mean(m.logits(hidden) ** 2)
 
     plain = jax.jit(jax.value_and_grad(loss), static_argnums=1)(state, graphdef)
@@ -186,22 +189,24 @@ def test_positions_count_real_tokens_from_zero():
     np.testing.assert_array_equal(positions, [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
 
 
-def test_cached_mask_lets_each_new_token_see_valid_slots_up_to_its_own():
-    valid = jnp.asarray([[False, True, True, True, True, False]])
-    mask = np.asarray(make_cached_attention_mask(valid, 3, 2))[0]
-    np.testing.assert_array_equal(mask, [[0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 0]])
-
-
-def test_wrong_mask_shape_is_a_clear_error():
+def test_wrong_call_is_a_clear_error():
     config = ModelConfig.preset("tiny", vocab_size=40, num_layers=1)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))  # the check precedes any math
     tokens = jnp.zeros((2, 3), jnp.int32)
-    with pytest.raises(ValueError, match="attention_mask has shape"):
-        model(tokens, tokens, jnp.ones((2, 3, 5), bool))
+    segments = jnp.ones((2, 3), bool)
+    with pytest.raises(ValueError, match=r"segment_ids has shape \(2, 3, 3\), expected \(2, 3\)"):
+        model(tokens, tokens, jnp.ones((2, 3, 3), bool))
+    with pytest.raises(ValueError, match="exactly one of them"):
+        model(tokens, tokens)
+    with pytest.raises(ValueError, match="kv_start .decode. needs a cache"):
+        model(tokens, tokens, kv_start=jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match="cache_index is required"):
-        model(tokens, tokens, jnp.ones((2, 3, 8), bool), init_cache(config, 2, 8))
+        model(tokens, tokens, segments, init_cache(config, 2, 8))
     other = jax.eval_shape(lambda: init_cache(dataclasses.replace(config, num_layers=2), 2, 8))
     with pytest.raises(ValueError, match="the cache has 2 layers and 2 rows, expected 1 layers and 2 rows"):
-        model(tokens, tokens, jnp.ones((2, 3, 8), bool), other, 0)
+        model(tokens, tokens, segments, other, 0)
     with pytest.raises(ValueError, match="the cache has 1 layers and 4 rows"):
-        model(tokens, tokens, jnp.ones((2, 3, 8), bool), jax.eval_shape(lambda: init_cache(config, 4, 8)), 0)
+        model(tokens, tokens, segments, jax.eval_shape(lambda: init_cache(config, 4, 8)), 0)
+    with pytest.raises(ValueError, match=r"kv_start has shape \(3,\)"):
+        model(tokens[:, :1], tokens[:, :1], cache=init_cache(config, 2, 8), cache_index=0,
+              kv_start=jnp.zeros(3, jnp.int32))

@@ -207,7 +207,7 @@ def test_rows_carry_ids_order_anchors_and_opponent():
         assert rows[1].anchor == play_anchor(f"task {seed} guesses: {wrong(seed)}", "bot")
         assert rows[2].anchor == reflection_anchor("bot")
         assert {(r.group, r.opponent) for r in rows} == {(tasks[me].group, "bot")}
-    local = runner(num_episodes=2, anchor_mode="local").run(tasks, scripted(wins_at({})), training=True)
+    local = runner(num_episodes=2, anchor="local").run(tasks, scripted(wins_at({})), training=True)
     assert [r.anchor for r in local.rows if r.meta_episode == 0][3] == local_anchor(
         play_anchor("task 1 guesses: none", "bot"), 1
     )
@@ -261,7 +261,7 @@ def test_bad_runner_configs_get_one_clear_error():
     for kw, match in [
         (dict(num_episodes=0), "num_episodes"),
         (dict(memory_mode="everything"), "memory_mode"),
-        (dict(anchor_mode="far"), "anchor_mode"),
+        (dict(anchor="far"), "anchor"),
         (dict(max_prompt_tokens=0), "max_prompt_tokens"),
     ]:
         with pytest.raises(ValueError, match=match):

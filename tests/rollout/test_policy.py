@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mage_jax.constraints import TokenAutomaton
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
 from mage_jax.rollout.policy import GenerationRequest, LLMPolicy, Policy, ScriptedPolicy
 from mage_jax.rollout.rows import pack_rows
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
-from mage_jax.sampling import Sampler, SamplingParams, TokenAutomaton
+from mage_jax.sampling import Sampler, SamplingParams
 from mage_jax.tokenizer import Tokenizer
 from tests.tiny_models import SMALLEST_DECODER
 

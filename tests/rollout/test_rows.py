@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from mage_jax.rollout.rows import Row, minibatch_indices, pack_rows
-from mage_jax.sampling import TokenAutomaton
+from mage_jax.constraints import TokenAutomaton
+from mage_jax.rollout.rows import Row, length_grouped_minibatches, minibatch_indices, pack_rows
 
 PAD = 0
 
@@ -110,21 +110,23 @@ def test_a_row_longer_than_every_bucket_is_one_clear_error():
         pack_rows([bad], row_bucket=1, length_buckets=(8,), pad_id=PAD)
 
 
-def test_minibatches_hold_every_real_row_exactly_once_and_pad_the_last_one():
-    rows = [make_row([1, 2], [3], meta_episode=i, reward=float(i)) for i in range(10)]
-    batch = pack_rows(rows, row_bucket=8, length_buckets=(4,), pad_id=PAD)
-    assert batch.shape[0] == 16
-    permutation = np.random.default_rng(0).permutation(10)
-    minis = batch.minibatches(4, permutation=permutation)
-    assert [m.shape[0] for m in minis] == [4, 4, 4]
-    seen = np.concatenate([m.env_reward[m.mask] for m in minis])
-    assert sorted(seen.tolist()) == [float(i) for i in range(10)]
-    assert minis[-1].mask.tolist() == [True, True, False, False]
-    assert not minis[-1].response_mask[2:].any() and (minis[-1].tokens[2:] == PAD).all()
-    indices = minibatch_indices(10, 4)
-    assert [i.tolist() for i in indices][-1] == [8, 9, -1, -1]
+def test_minibatch_indices_cover_every_row_once_and_pad_the_last_block():
+    indices = minibatch_indices(10, 4, permutation=np.random.default_rng(0).permutation(10))
+    assert [len(i) for i in indices] == [4, 4, 4]
+    flat = np.concatenate(indices)
+    assert sorted(flat[flat >= 0].tolist()) == list(range(10)) and indices[-1][2:].tolist() == [-1, -1]
+    assert [i.tolist() for i in minibatch_indices(10, 4)][-1] == [8, 9, -1, -1]
     with pytest.raises(ValueError, match="permutation"):
         minibatch_indices(3, 2, permutation=np.array([0, 0, 1]))
+
+
+def test_length_grouped_minibatches_cover_every_row_once_with_similar_lengths():
+    lengths = np.array([100, 300, 120, 310, 90, 305, 110, 295, 330])
+    blocks = length_grouped_minibatches(lengths, 4, np.random.default_rng(0), buckets=(128, 320, 512))
+    flat = np.concatenate(blocks)
+    assert sorted(flat[flat >= 0].tolist()) == list(range(len(lengths)))
+    assert all(len(b) == 4 for b in blocks)
+    assert sorted(set((lengths[b[b >= 0]] > 128).tolist()) == {False, True} for b in blocks).count(True) <= 1
 
 
 def test_constraints_are_stored_once_per_automaton_and_replayed_per_row():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -10,9 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
+from mage_jax.config import ConfigError
 from mage_jax.logging import MetricsLogger, read_jsonl
-from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
+from mage_jax.training.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatch,
+    key_from_json,
+    key_to_json,
+)
 from mage_jax.training.train_step import TrainState
 
 
@@ -75,3 +84,169 @@ def test_logger_writes_plain_json_and_truncates_on_resume(tmp_path):
     assert [(r["iteration"], r["loss"]) for r in read_jsonl(str(tmp_path))] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
         assert all(json.loads(line) for line in f)
+
+
+# -- integrity: a damaged newest step falls back to the newest intact one ------------------------------
+
+
+def big_state(value: float) -> TrainState:
+    """A state with a parameter large enough to fill its own data file (the one the damage hits)."""
+    rng = np.random.default_rng(int(value))
+    params = {"w": jnp.asarray(rng.standard_normal((64, 256)), jnp.float32) + value, "b": jnp.arange(4.0)}
+    return TrainState(params=params, opt_state=optax.adamw(1e-3).init(params), step=jnp.int32(int(value)))
+
+
+def largest_file(step_dir) -> str:
+    files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir / "state") for f in fs]
+    return max(files, key=os.path.getsize)
+
+
+def truncate(step_dir) -> None:
+    path = largest_file(step_dir)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def flip_bytes(step_dir) -> None:
+    """64 bytes inverted in the middle of the parameter data (the issue's silent-corruption case)."""
+    path = largest_file(step_dir)
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        mid = len(data) // 2
+        data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+        f.seek(0)
+        f.write(data)
+
+
+def delete_file(step_dir) -> None:
+    os.remove(largest_file(step_dir))
+
+
+def edit_meta_iteration(step_dir) -> None:
+    path = step_dir / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    meta["iteration"] += 1
+    path.write_text(json.dumps(meta))
+
+
+def save_two_steps(root) -> None:
+    with Checkpointer(str(root), keep=3) as ckpt:
+        ckpt.save(4, big_state(4.0), {"iteration": 4, "note": "older"})
+        ckpt.save(6, big_state(6.0), {"iteration": 6, "note": "newest"})
+
+
+def delete_manifest(step_dir) -> None:
+    """Every array becomes unreadable at once (orbax then leaves its reads behind half-done)."""
+    os.remove(step_dir / "state" / "manifest.ocdbt")
+
+
+def delete_checksums(step_dir) -> None:
+    shutil.rmtree(step_dir / "checksums")
+
+
+DAMAGE = {"truncate": truncate, "flip_bytes": flip_bytes, "delete_file": delete_file,
+          "edit_meta_iteration": edit_meta_iteration, "delete_manifest": delete_manifest,
+          "delete_checksums": delete_checksums}
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_newest_step_falls_back_to_the_older_one_with_one_warning(tmp_path, capsys, damage):
+    root = tmp_path / "ckpt"
+    save_two_steps(root)
+    DAMAGE[damage](root / "6")
+    capsys.readouterr()
+    with Checkpointer(str(root), keep=3) as ckpt:
+        restored, meta = ckpt.restore(big_state(0.0))
+        assert ckpt.latest_step() == 4  # the damaged step is moved aside: the run can save step 6 again
+        assert ckpt.save(6, big_state(6.0), {"iteration": 6})
+    expected = big_state(4.0)
+    assert meta == {"iteration": 4, "note": "older"}
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    gc.collect()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err  # no orbax traceback, now or at a later garbage collection
+    assert err[0].startswith("warning: skipped damaged checkpoint step 6 (")
+    assert err[0].endswith("restored step 4")
+    assert (root / "6.damaged").is_dir()
+
+
+def test_flipped_parameter_values_are_caught_by_the_array_checksum(tmp_path):
+    """Bytes changed so that every file still parses: only the per-array checksum can notice."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(str(root), keep=3) as ckpt:
+        ckpt.save(4, big_state(4.0), {"iteration": 4})
+        ckpt.save(6, big_state(6.0), {"iteration": 6})
+    path = root / "6" / "checksums" / "metadata"
+    sums = json.loads(path.read_text())
+    sums["arrays"][".params['w']"] = "0" * 8  # as if the stored values no longer matched
+    path.write_text(json.dumps(sums))
+    damaged = r"step 6 .*array \.params\['w'\] does not match its checksum"
+    with Checkpointer(str(root), keep=3) as ckpt, pytest.raises(CheckpointError, match=damaged):
+        ckpt.restore(big_state(0.0), step=6)
+
+
+def test_every_step_damaged_is_one_clear_error(tmp_path):
+    root = tmp_path / "ckpt"
+    save_two_steps(root)
+    flip_bytes(root / "6")
+    edit_meta_iteration(root / "4")
+    with Checkpointer(str(root), keep=3) as ckpt, pytest.raises(CheckpointError) as info:
+        ckpt.restore(big_state(0.0))
+    message = str(info.value)
+    assert "\n" not in message and "no intact checkpoint" in message
+    assert "step 6" in message and "step 4 (meta does not match its checksum)" in message
+    assert isinstance(info.value, ConfigError)  # the command lines print it as one error: line
+    assert (root / "6").is_dir() and (root / "4").is_dir()  # nothing is moved when nothing restores
+
+
+def test_restoring_a_missing_step_is_one_clear_error(tmp_path):
+    root = tmp_path / "ckpt"
+    save_two_steps(root)
+    missing = "no checkpoint of step 5"
+    with Checkpointer(str(root), keep=3) as ckpt, pytest.raises(CheckpointError, match=missing):
+        ckpt.restore(big_state(0.0), step=5)
+
+
+def test_a_state_of_other_shapes_is_a_config_mismatch_not_damage(tmp_path):
+    """Resuming with a config that changes shapes or dtypes names the first difference and moves nothing."""
+    root = tmp_path / "ckpt"
+    save_two_steps(root)
+    wider = big_state(0.0)
+    wider.params["b"] = jnp.arange(5.0)
+    with Checkpointer(str(root), keep=3) as ckpt, pytest.raises(CheckpointMismatch) as info:
+        ckpt.restore(wider)
+    message = str(info.value)
+    assert "step 6" in message and ".params['b'] is [4] float32 there but [5] float32 here" in message
+    assert isinstance(info.value, ConfigError) and "\n" not in message
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, big_state(0.0))
+    with Checkpointer(str(root), keep=3) as ckpt, pytest.raises(CheckpointMismatch, match="float32 there"):
+        ckpt.restore(half)
+    assert sorted(os.listdir(root)) == ["4", "6"]
+
+
+def test_a_directory_written_before_checksums_restores_unverified_with_one_warning(tmp_path, capsys):
+    """Runs started by an earlier version (state + meta, no checksums in any step) still resume."""
+    import orbax.checkpoint as ocp
+
+    root = tmp_path / "ckpt"
+    options = ocp.CheckpointManagerOptions(max_to_keep=3, create=True, enable_async_checkpointing=False)
+    with ocp.CheckpointManager(str(root), options=options, item_names=("state", "meta")) as legacy:
+        legacy.save(4, args=ocp.args.Composite(state=ocp.args.StandardSave(big_state(4.0)),
+                                                meta=ocp.args.JsonSave({"iteration": 4})))
+        legacy.wait_until_finished()
+    capsys.readouterr()
+    with Checkpointer(str(root), keep=3) as ckpt:
+        restored, meta = ckpt.restore(big_state(0.0))
+        ckpt.save(5, big_state(5.0), {"iteration": 5})  # new steps carry checksums
+        ckpt.save(6, big_state(6.0), {"iteration": 6})
+    assert meta == {"iteration": 4}
+    np.testing.assert_array_equal(np.asarray(restored.params["w"]), np.asarray(big_state(4.0).params["w"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: checkpoint step 4 in {root} predates checksums; restored it unverified"]
+    shutil.rmtree(root / "6" / "checksums")  # beside steps with them: damage, not an old format
+    with Checkpointer(str(root), keep=3) as ckpt:
+        _, meta = ckpt.restore(big_state(0.0))
+    assert meta == {"iteration": 5}
+    assert "skipped damaged checkpoint step 6 (its checksums are missing" in capsys.readouterr().err

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mage_jax.constraints import automaton_from_completions
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
-from mage_jax.models.transformer import make_attention_mask
-from mage_jax.sampling import automaton_from_completions
 from mage_jax.training.train_step import (
     StepConfig,
+    TrainBatch,
     TrainStep,
+    gather_rows,
     learning_rate_schedule,
-    length_grouped_minibatches,
 )
 
 V, R, T = 24, 4, 12
@@ -63,10 +63,9 @@ def batch(seed=0):
 def test_logprobs_match_a_plain_log_softmax_on_response_tokens(model, step):
     _, _, graphdef, params = model
     b = batch()
-    got = np.asarray(step.compute_logprobs(params, step.place_batch(b)))
+    got = np.asarray(step.compute_logprobs(params, step.place_batch(TrainBatch(**b))))
     m = nnx.merge(graphdef, params)
-    mask = make_attention_mask(jnp.asarray(b["token_mask"]))
-    hidden, _ = m(jnp.asarray(b["tokens"]), jnp.asarray(b["positions"]), mask)
+    hidden, _ = m(jnp.asarray(b["tokens"]), jnp.asarray(b["positions"]), jnp.asarray(b["token_mask"]))
     full = jax.nn.log_softmax(m.logits(hidden), axis=-1)
     want = np.take_along_axis(np.asarray(full), b["targets"][..., None], -1)[..., 0]
     np.testing.assert_allclose(got, np.where(b["response_mask"], want, 0.0), atol=1e-5)
@@ -76,16 +75,17 @@ def test_update_moves_probability_towards_positive_advantage(model, step):
     _, _, _, params = model
     state = step.init_state(jax.tree.map(jnp.copy, params))
     b = batch()
-    old = np.asarray(step.compute_logprobs(state.params, step.place_batch(b)))
+    old = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
     b.update(old_logprobs=old, ref_logprobs=old, advantages=np.array([1.0, 1.0, -1.0, 0.0], np.float32))
     for _ in range(3):
-        state, metrics = step.update(state, step.place_batch(b))
+        state, metrics = step.update(state, step.place_batch(TrainBatch(**b)))
     assert float(metrics["lr"]) == pytest.approx(1e-2)
     frozen = jax.tree.map(np.asarray, state.params)
-    state, _ = step.update(state, step.place_batch(b), lr_scale=0.0)  # a fully decayed learning rate
+    # a fully decayed learning rate
+    state, _ = step.update(state, step.place_batch(TrainBatch(**b)), lr_scale=0.0)
     for a, c in zip(jax.tree.leaves(frozen), jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(a, np.asarray(c))
-    new = np.asarray(step.compute_logprobs(state.params, step.place_batch(b)))
+    new = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
     assert float(metrics["skipped"]) == 0.0 and int(state.step) == 4
     assert (new - old)[0][b["response_mask"][0]].sum() > 0
     assert (new - old)[2][b["response_mask"][2]].sum() < 0
@@ -97,11 +97,11 @@ def test_non_finite_loss_skips_the_update_and_keeps_state(model, step):
     _, _, _, params = model
     state = step.init_state(jax.tree.map(jnp.copy, params))
     b = batch()
-    old = np.asarray(step.compute_logprobs(state.params, step.place_batch(b)))
+    old = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
     b.update(old_logprobs=old, ref_logprobs=old, advantages=np.array([np.nan, 1.0, 1.0, 1.0], np.float32))
     before_params = jax.tree.map(np.asarray, state.params)
     before_opt = jax.tree.map(np.asarray, state.opt_state)
-    state, metrics = step.update(state, step.place_batch(b))
+    state, metrics = step.update(state, step.place_batch(TrainBatch(**b)))
     assert float(metrics["skipped"]) == 1.0
     assert int(state.step) == 0
     for a, c in zip(jax.tree.leaves(before_params), jax.tree.leaves(state.params)):
@@ -115,10 +115,10 @@ def test_kl_term_is_zero_against_itself_and_positive_after_moving(model, step):
     state = step.init_state(jax.tree.map(jnp.copy, params))
     ref = jax.tree.map(jnp.copy, state.params)
     b = batch()
-    logp = np.asarray(step.compute_logprobs(ref, step.place_batch(b)))
+    logp = np.asarray(step.compute_logprobs(ref, step.place_batch(TrainBatch(**b))))
     b.update(old_logprobs=logp, ref_logprobs=logp, advantages=np.ones(R, np.float32))
-    state, m0 = step.update(state, step.place_batch(b))
-    state, m1 = step.update(state, step.place_batch(b))
+    state, m0 = step.update(state, step.place_batch(TrainBatch(**b)))
+    state, m1 = step.update(state, step.place_batch(TrainBatch(**b)))
     assert abs(float(m0["kl_loss"])) < 1e-6
     assert float(m1["kl_loss"]) > 0
 
@@ -135,21 +135,34 @@ def test_constrained_rows_replay_the_automaton(model, step):
     b["response_mask"][0, 7:11] = True
     free = np.zeros((automaton.num_states, V), np.int32)
     b["transitions"] = np.stack([automaton.transitions] + [free] * (R - 1))
-    logp = np.asarray(step.compute_logprobs(params, step.place_batch(b)))[0, 7:11]
+    logp = np.asarray(step.compute_logprobs(params, step.place_batch(TrainBatch(**b))))[0, 7:11]
     assert abs(logp[0]) < 1e-6 and abs(logp[2]) < 1e-6 and abs(logp[3]) < 1e-6
     assert -np.log(2) - 3 < logp[1] < 0
     unconstrained = np.asarray(step.compute_logprobs(params, step.place_batch(
-        {k: v for k, v in b.items() if k != "transitions"})))[0, 7:11]
+        TrainBatch(**{k: v for k, v in b.items() if k != "transitions"}))))[0, 7:11]
     assert (unconstrained < logp - 1e-6).all()
 
 
-def test_length_grouped_minibatches_cover_every_row_once_with_similar_lengths():
-    lengths = np.array([100, 300, 120, 310, 90, 305, 110, 295, 330])
-    blocks = length_grouped_minibatches(lengths, 4, np.random.default_rng(0), buckets=(128, 320, 512))
-    flat = np.concatenate(blocks)
-    assert sorted(flat[flat >= 0].tolist()) == list(range(len(lengths)))
-    assert all(len(b) == 4 for b in blocks)
-    assert sorted(set((lengths[b[b >= 0]] > 128).tolist()) == {False, True} for b in blocks).count(True) <= 1
+def test_train_batches_hold_every_real_row_once_and_mask_the_padding():
+    from mage_jax.rollout.rows import Row, minibatch_indices, pack_rows
+
+    rows = [Row(group=0, meta_episode=i, episode=0, turn=0, step=0, phase="play", anchor="a", opponent=None,
+                seat=0, prompt_ids=np.array([1, 2], np.int32), response_ids=np.array([3], np.int32),
+                logprobs=np.zeros(1, np.float32), env_reward=float(i), valid=True) for i in range(10)]
+    packed = pack_rows(rows, row_bucket=8, length_buckets=(4,), pad_id=0)
+    advantages = np.arange(16, dtype=np.float32)
+    blocks = minibatch_indices(10, 4, permutation=np.random.default_rng(0).permutation(10))
+    minis = [TrainBatch.from_packed(packed, idx, advantages=advantages, length=3) for idx in blocks]
+    assert [m.tokens.shape for m in minis] == [(4, 3)] * 3
+    seen = np.concatenate([m.advantages[idx >= 0] for m, idx in zip(minis, blocks)])
+    assert sorted(seen.tolist()) == [float(i) for i in range(10)]
+    last = minis[-1]
+    assert not last.response_mask[2:].any() and (last.tokens[2:] == 0).all()
+    assert (last.advantages[2:] == 0).all()
+    table = jnp.arange(16 * 4, dtype=jnp.float32).reshape(16, 4)
+    gathered = np.asarray(gather_rows(table, blocks[-1], 3))
+    np.testing.assert_array_equal(gathered[:2], np.asarray(table)[blocks[-1][:2], :3])
+    assert (gathered[2:] == 0).all()
 
 
 def test_lr_decay_runs_from_one_to_the_end_fraction():
@@ -168,9 +181,9 @@ def test_the_entropy_bonus_is_subtracted_from_the_loss(model, step):
     descends is exactly -entropy_coef x entropy: a bonus (a flipped sign would punish entropy)."""
     _, _, _, params = model
     state = step.init_state(jax.tree.map(jnp.copy, params))
-    b = batch()
+    b = TrainBatch(**batch())
     old = np.asarray(step.compute_logprobs(state.params, step.place_batch(b)))
-    b.update(old_logprobs=old, ref_logprobs=old, advantages=np.zeros(R, np.float32))
+    b = b.replace(old_logprobs=old, ref_logprobs=old, advantages=np.zeros(R, np.float32))
     _, metrics = step.update(state, step.place_batch(b))
     assert float(metrics["policy_loss"]) == 0.0 and float(metrics["kl_loss"]) == 0.0
     assert float(metrics["entropy"]) > 0.1

@@ -12,7 +12,13 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from mage_jax.models import sharding as shd
     from mage_jax.models.config import ModelConfig
-    from mage_jax.training.train_step import StepConfig, TrainStep, learning_rate_schedule, make_optimizer
+    from mage_jax.training.train_step import (
+        StepConfig,
+        TrainBatch,
+        TrainStep,
+        learning_rate_schedule,
+        make_optimizer,
+    )
 
     assert len(jax.devices()) == 8
     cfg = ModelConfig.preset("tiny", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
@@ -34,9 +40,9 @@ SCRIPT = textwrap.dedent("""
         step = TrainStep(graphdef, tx, schedule, StepConfig(chunk_size=4), mesh)
         state = step.init_state(params)
         b = dict(batch)
-        b["old_logprobs"] = np.asarray(step.compute_logprobs(state.params, step.place_batch(b)))
+        b["old_logprobs"] = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
         for _ in range(2):
-            state, metrics = step.update(state, step.place_batch(b))
+            state, metrics = step.update(state, step.place_batch(TrainBatch(**b)))
         leaf = state.params["layers"][0]["attn"]["q_proj"]["kernel"]
         leaf = leaf.value if hasattr(leaf, "value") else leaf
         devices_used = len(leaf.sharding.device_set)

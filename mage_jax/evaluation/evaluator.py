@@ -1,0 +1,268 @@
+"""The evaluation of a parameter state over named splits, each with its reference numbers (spec section 8).
+
+Splits:
+
+* ``eval`` — held-out instances of the training pool (or of ``EvalProtocol.eval_pool``: the
+  opponent-pool ablation trains on a skewed pool and is measured on the balanced one);
+* ``heldout`` — the held-out opponent of ``env.heldout_opponent`` in ``env.heldout_seat`` (Kuhn
+  Poker's CFR in the second seat);
+* ``EvalProtocol.extra_splits`` — further held-out sets, each with its own opponent, seat,
+  environment options or size (Tic-Tac-Toe against MCTS-100 in the first seat, Sokoban with 1 or 3
+  boxes, ALFWorld / WebShop held-out splits).
+
+Held-out sets are evaluated only at the end of a run unless configured otherwise (they are not a
+training signal). Every split is played with the evaluation sampling settings by ``parts.eval_runner``
+(meta-episodes of ``train.eval_num_episodes`` episodes, which may be more than training plays, or
+independent attempts for the single-episode baselines).
+
+References, computed once per split on exactly the same meta-episodes: Kuhn Poker's exact oracle
+(winnable ceiling, random, best fixed strategy, adaptive bound); for other environments, when the
+protocol asks for it, a uniformly random legal-action policy.
+
+The trainer receives an ``Evaluator`` in its constructor and calls ``evaluate`` at its cadence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from mage_jax import config as C
+from mage_jax.evaluation.metrics import compute_metrics
+from mage_jax.evaluation.oracle import KuhnMetaEpisode, kuhn_oracle
+from mage_jax.progress import progress_bar
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutResult, RunnerConfig
+from mage_jax.rollout.policy import Generation, GenerationRequest, Policy
+from mage_jax.rollout.rows import Row
+from mage_jax.rollout.tasks import Task, TaskSampler
+
+KUHN_POKER = "kuhn_poker"
+"""The one environment with an exact oracle (``mage_jax.evaluation.oracle``)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# the protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSplit:
+    """One extra evaluation set: ``sample_eval`` tasks played with ``env_options`` merged in."""
+
+    name: str
+    opponent: str | None = None
+    """None: the evaluation pool (or no opponent for single-agent tasks)."""
+    seat: str | None = None
+    """``first`` / ``second`` / ``mixed``; None: the config's ``env.seats``."""
+    env_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Merged over ``env.options`` (e.g. ``{"num_boxes": 1}``, ``{"split": "valid_unseen"}``)."""
+    meta_episodes: int | None = None
+    """None: ``train.eval_meta_episodes``."""
+    final_only: bool = True
+    """Evaluate only at the end of the run (held-out sets are not a training signal)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalProtocol:
+    """How a run is evaluated, besides its config (an experiment's choice, saved in ``experiment.json``)."""
+
+    eval_mode: str = "meta"
+    """``meta``: meta-episodes with memory; ``independent``: N one-episode attempts without memory."""
+    eval_pool: Mapping[str, float] | None = None
+    extra_splits: tuple[EvalSplit, ...] = ()
+    random_reference: bool = True
+    """Play a random legal-action policy on every split without an oracle (Kuhn Poker has one)."""
+    headline_split: str = "eval"
+    """The split whose final-episode success is the paper's table entry."""
+
+    def __post_init__(self) -> None:
+        if self.eval_mode not in ("meta", "independent"):
+            raise C.ConfigError(f"eval_mode must be one of meta, independent (got {self.eval_mode!r})")
+        names = [s.name for s in self.extra_splits]
+        if len(set(names)) != len(names) or {"eval", "heldout"} & set(names):
+            raise C.ConfigError(f"extra evaluation splits need distinct names besides eval/heldout: {names}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EvalProtocol:
+        splits = tuple(EvalSplit(**s) for s in data.get("extra_splits", ()))
+        return cls(**{**data, "extra_splits": splits})
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitResult:
+    """The evaluation of one split: ``compute_metrics`` output and the reference numbers (or None)."""
+
+    metrics: dict[str, Any]
+    reference: dict[str, Any] | None
+
+
+class EvalParts(Protocol):
+    """What the evaluator reads from the run parts (``mage_jax.training.assemble.RunParts``)."""
+
+    cfg: C.ExperimentConfig
+    task_sampler: TaskSampler
+    eval_runner: Any
+
+    def policy(self, params: Any, key: jax.Array, *, evaluation: bool) -> Policy: ...
+
+
+# ----------------------------------------------------------------------------------------------
+# references
+
+
+def kuhn_reference(tasks: Sequence[Task], num_episodes: int) -> dict[str, Any]:
+    """Oracle numbers (ceiling, random, best fixed, adaptive bound) on exactly these meta-episodes."""
+    episodes = [KuhnMetaEpisode(seed=t.seed, seat=int(t.seat), opponent=t.opponent) for t in tasks]
+    out = _reference_block(kuhn_oracle(episodes, num_episodes))
+    out["by_opponent"] = {}
+    for name in sorted({e.opponent for e in episodes}):
+        subset = [e for e in episodes if e.opponent == name]
+        out["by_opponent"][name] = _reference_block(kuhn_oracle(subset, num_episodes))
+    return out
+
+
+def _reference_block(report: Any) -> dict[str, Any]:
+    return {
+        "winnable": float(report.winnable),
+        "random_success": report.random.success.tolist(),
+        "random_payoff": report.random.payoff.tolist(),
+        "best_fixed_success": report.best_fixed.success.tolist(),
+        "best_fixed_payoff": report.best_fixed.payoff.tolist(),
+        "best_fixed_by_success_success": report.best_fixed_by_success.success.tolist(),
+        "best_fixed_by_success_payoff": report.best_fixed_by_success.payoff.tolist(),
+        "adaptive_payoff_bound": report.adaptive_payoff_bound.tolist(),
+    }
+
+
+class RandomLegalPolicy:
+    """Uniform over the allowed completions (legal actions) of each row; an empty remark otherwise."""
+
+    def __init__(self, seed: int):
+        self._rng = np.random.default_rng(seed)
+
+    def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
+        return [len(p.split()) for p in prompts]
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        out = []
+        for req in requests:
+            allowed = req.allowed_completions
+            text = allowed[int(self._rng.integers(len(allowed)))] if allowed else "<remark></remark>"
+            out.append(Generation(text=text, prompt_ids=(0,), response_ids=(0,), logprobs=(0.0,)))
+        return out
+
+
+def random_reference(env_name: str, env_options: Mapping[str, Any], tasks: Sequence[Task], num_episodes: int,
+                     *, seed: int = 0) -> dict[str, Any]:
+    """success@k / draw@k / payoff@k of the random legal-action policy on exactly these meta-episodes."""
+    runner = MetaEpisodeRunner(env_name, env_options, RunnerConfig(
+        num_episodes=num_episodes, memory_mode="history_only", reflect=False, prompt_style="compact",
+        constrained_actions=True))
+    metrics = compute_metrics(runner.run(list(tasks), RandomLegalPolicy(seed), training=False),
+                              num_episodes=num_episodes)
+
+    def block(m: Mapping[str, Any]) -> dict[str, Any]:
+        return {f"random_{k}": m["curves"][k] for k in ("success", "draw", "payoff")}
+
+    out = block(metrics)
+    out["by_opponent"] = {name: block(sub) for name, sub in metrics.get("by_opponent", {}).items()}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the evaluator
+
+
+class Evaluator:
+    """Evaluates parameter states on the protocol's splits; references are computed once per split."""
+
+    def __init__(self, parts: EvalParts, protocol: EvalProtocol | None = None, *, progress: bool = False):
+        self.parts = parts
+        self.protocol = protocol or EvalProtocol()
+        self.progress = progress
+        self._references: dict[str, dict[str, Any] | None] = {}
+        self._pool_sampler = None
+        if self.protocol.eval_pool:
+            config = dataclasses.replace(parts.task_sampler.config, opponents=dict(self.protocol.eval_pool))
+            self._pool_sampler = TaskSampler(config)
+
+    @property
+    def cfg(self) -> C.ExperimentConfig:
+        return self.parts.cfg
+
+    def _sampler(self) -> TaskSampler:
+        return self._pool_sampler or self.parts.task_sampler
+
+    def splits(self, *, heldout: bool) -> list[tuple[str, list[Task], Any]]:
+        """(name, tasks, runner) of every split evaluated now (``heldout``: the final evaluation)."""
+        cfg, runner = self.cfg, self.parts.eval_runner
+        out = [("eval", self._sampler().sample_eval(cfg.train.eval_meta_episodes), runner)]
+        if heldout and cfg.env.heldout_opponent and cfg.train.eval_heldout_meta_episodes > 0:
+            out.append(("heldout", self.parts.task_sampler.sample_eval(
+                cfg.train.eval_heldout_meta_episodes, opponent=cfg.env.heldout_opponent,
+                seat=cfg.env.heldout_seat), runner))
+        for split in self.protocol.extra_splits:
+            if split.final_only and not heldout:
+                continue
+            tasks = self._sampler().sample_eval(split.meta_episodes or cfg.train.eval_meta_episodes,
+                                                opponent=split.opponent, seat=split.seat)
+            out.append((split.name, tasks, runner.with_env_options(split.env_options)
+                        if split.env_options else runner))
+        return out
+
+    def reference(self, split: str, tasks: Sequence[Task], runner: Any) -> dict[str, Any] | None:
+        """Kuhn Poker's oracle, else (when asked for) the random legal-action policy; None otherwise."""
+        if split not in self._references:
+            ref = None
+            if self.cfg.env.name == KUHN_POKER and all(t.opponent is not None for t in tasks):
+                ref = kuhn_reference(tasks, runner.config.num_episodes)
+            elif self.protocol.random_reference:
+                ref = random_reference(runner.env_name, runner.env_options, tasks, runner.config.num_episodes,
+                                       seed=self.cfg.train.seed)
+            self._references[split] = ref
+        return self._references[split]
+
+    def evaluate(self, params: Any, key: jax.Array, *, heldout: bool) -> dict[str, SplitResult]:
+        """{split: SplitResult} of the parameter state ``params``; ``key`` seeds the sampling."""
+        chunk = max(self.cfg.rollout.num_tasks * self.cfg.rollout.group_size, 128)
+        out: dict[str, SplitResult] = {}
+        extra = {s.name: i for i, s in enumerate(self.protocol.extra_splits)}
+        for s_index, (name, tasks, runner) in enumerate(self.splits(heldout=heldout)):
+            # Keys of the built-in splits and of the extra splits are separate streams, so adding a split
+            # never changes the numbers of another.
+            if name in extra:
+                split_key, offset = jax.random.fold_in(key, 7919 + extra[name]), 0
+            else:
+                split_key, offset = key, 1000 * s_index
+            outcomes, rows = [], []
+            bar = progress_bar(total=len(tasks), desc=f"eval:{name}", enabled=self.progress, leave=False)
+            for c_index, start in enumerate(range(0, len(tasks), chunk)):
+                policy = self.parts.policy(params, jax.random.fold_in(split_key, offset + c_index),
+                                           evaluation=True)
+                result = runner.run(tasks[start:start + chunk], policy, training=False)
+                outcomes += result.outcomes
+                rows += result.rows
+                bar.update(len(result.outcomes))
+                bar.set_postfix(success=f"{np.mean([any(o.won) for o in outcomes]):.3f}",
+                                payoff=f"{np.mean([o.payoff[-1] for o in outcomes]):.3f}")
+            bar.close()
+            metrics = compute_metrics(outcomes, num_episodes=runner.config.num_episodes, rows=rows)
+            out[name] = SplitResult(metrics, self.reference(name, tasks, runner))
+        return out
+
+
+def transcripts(parts: EvalParts, params: Any, *, count: int = 4, opponent: str | None = None,
+                seat: str | None = None, seed: int = 0) -> list[Row]:
+    """Rows (prompt and response text kept) of ``count`` evaluation meta-episodes played by ``params``
+    (notebooks, debugging)."""
+    runner = parts.eval_runner
+    base = getattr(runner, "base", runner)
+    config = dataclasses.replace(base.config, keep_text=True, num_episodes=runner.config.num_episodes)
+    text_runner = MetaEpisodeRunner(base.env_name, base.env_options, config)
+    tasks = parts.task_sampler.sample_eval(count, opponent=opponent, seat=seat)
+    policy = parts.policy(params, jax.random.key(seed), evaluation=True)
+    result: RolloutResult = text_runner.run(tasks, policy, training=False)
+    return result.rows

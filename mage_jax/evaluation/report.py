@@ -1,0 +1,161 @@
+"""What a finished run reports: ``summary.json``, the evaluation records in the metrics log, the plots
+and the results table. Every entry point (training, evaluation-only, checkpoint evaluation) writes
+through these functions, so a summary has one format and is always written atomically.
+
+``summary.json``::
+
+    {"experiment", "status", "iterations", "wall_seconds", "setup_seconds", "run_dir",
+     "model": {"num_params", "vocab_size", "num_layers", "hidden_size"},
+     "evaluation": {split: {"metrics": compute_metrics(...), "reference": {...} or null}}, ...}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from mage_jax.evaluation import plots
+from mage_jax.evaluation.evaluator import SplitResult
+from mage_jax.evaluation.metrics import flatten_metrics
+from mage_jax.logging import METRICS_FILE, MetricsLogger, to_jsonable
+
+SUMMARY_FILE = "summary.json"
+TRAINING_PLOT_KEYS = ("success@last", "payoff@last", "reward_mean", "policy_loss", "entropy", "approx_kl",
+                      "grad_norm", "clip_fraction", "iteration_seconds")
+
+
+def log_evaluation(logger: MetricsLogger, iteration: int, results: Mapping[str, SplitResult]) -> None:
+    """One metrics-log record per split (flat keys such as ``success@2``, ``by_opponent/cfr/payoff@0``)."""
+    for split, block in results.items():
+        logger.log(iteration, flatten_metrics(block.metrics), split=split)
+
+
+def build_summary(*, experiment: str, iterations: int, run_dir: str, model_config: Any,
+                  results: Mapping[str, SplitResult], wall_seconds: float, setup_seconds: float | None = None,
+                  **extra: Any) -> dict[str, Any]:
+    """The JSON-ready summary of a finished run (plain values only)."""
+    summary: dict[str, Any] = {
+        "experiment": experiment,
+        "status": "finished",
+        "iterations": int(iterations),
+        "wall_seconds": float(wall_seconds),
+    }
+    if setup_seconds is not None:
+        summary["setup_seconds"] = float(setup_seconds)
+    summary["run_dir"] = os.path.abspath(run_dir)
+    summary.update(extra)
+    summary["model"] = {"num_params": int(model_config.num_params()),
+                        "vocab_size": int(model_config.vocab_size),
+                        "num_layers": int(model_config.num_layers),
+                        "hidden_size": int(model_config.hidden_size)}
+    summary["evaluation"] = {split: {"metrics": block.metrics, "reference": block.reference}
+                             for split, block in results.items()}
+    return to_jsonable(summary)
+
+
+def write_summary(run_dir: str, summary: Mapping[str, Any]) -> str:
+    """Write ``<run_dir>/summary.json`` atomically; returns its path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, SUMMARY_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(to_jsonable(summary), f, indent=1)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_summary(run_dir: str) -> dict[str, Any] | None:
+    """The summary of a finished run, or None when the run has none."""
+    path = os.path.join(run_dir, SUMMARY_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------------------------
+# plots
+
+
+def write_plots(run_dir: str, results: Mapping[str, SplitResult]) -> list[str]:
+    """PNGs in ``<run_dir>/plots``: success@k and payoff@k per opponent (with the reference lines) for
+    every evaluation split, and the training curves."""
+    out = os.path.join(run_dir, "plots")
+    os.makedirs(out, exist_ok=True)
+    written = []
+    for split, block in results.items():
+        ref = block.reference or {}
+        lines: dict[str, dict[str, Any]] = {"success": {}, "payoff": {}}
+        if "winnable" in ref:
+            lines["success"]["winnable (ceiling)"] = ref["winnable"]
+        for metric in ("success", "payoff"):
+            for name, label in (("random", "random"), ("best_fixed", "best fixed")):
+                if f"{name}_{metric}" in ref:
+                    lines[metric][label] = ref[f"{name}_{metric}"]
+        if "adaptive_payoff_bound" in ref:
+            lines["payoff"]["adaptive bound"] = ref["adaptive_payoff_bound"]
+        written += [str(p) for p in plots.plot_success_and_payoff(block.metrics, out, reference=lines,
+                                                                  prefix=f"{split}_")]
+    with contextlib.suppress(ValueError):  # no training record (zero iterations)
+        written.append(str(plots.plot_training_curves(os.path.join(run_dir, METRICS_FILE),
+                                                      os.path.join(out, "training.png"),
+                                                      keys=TRAINING_PLOT_KEYS)))
+    return written
+
+
+# ----------------------------------------------------------------------------------------------
+# the results table
+
+
+def _fmt(x: Any, signed: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{x:+.3f}" if signed else f"{x:.3f}"
+
+
+ORACLE_LEGEND = (
+    "ceiling = winnable share; bestfix success = best pure non-adaptive strategy by wins, bestfix payoff = "
+    "best by payoff; bound = best adaptive payoff (oracle). Payoff in chips.\nAll references are exact "
+    "oracle values on the same meta-episodes; on a per-opponent row the best fixed strategy is the best one "
+    "against that opponent alone (it knows the opponent)."
+)
+
+
+def results_table(summary: Mapping[str, Any], titles: Mapping[str, str] | None = None) -> str:
+    """success@k, draw@k and payoff@k per split and opponent, next to the reference policies: random
+    (every environment with a reference) and, where the oracle gives them, the winnable ceiling, the best
+    fixed strategy and the adaptive payoff bound."""
+    lines: list[str] = []
+    titles = titles or {}
+    oracle = False
+    for split, block in summary.get("evaluation", {}).items():
+        metrics, ref = block["metrics"], block.get("reference") or {}
+        oracle = oracle or "winnable" in ref
+        lines.append(f"== {titles.get(split, split)}: {metrics['num_meta_episodes']} meta-episodes ==")
+        groups = [("all", metrics, ref)]
+        if len(metrics.get("by_opponent", {})) > 1:
+            for name, sub in metrics["by_opponent"].items():
+                groups.append((name, sub, (ref.get("by_opponent") or {}).get(name) or {}))
+        lines.append(f"{'opponent':<14}{'k':>2}  {'success':>8}{'draw':>8}{'payoff':>9}   |  reference: "
+                     f"{'rnd succ':>8}{'ceiling':>8}{'bestfix':>8}{'rnd pay':>9}{'bestfix':>9}{'bound':>9}")
+        for name, sub, r in groups:
+            curves = sub["curves"]
+            for k in range(metrics["num_episodes"]):
+                def at(key: str, k: int = k, r: Mapping[str, Any] = r) -> Any:
+                    v = r.get(key)
+                    return None if v is None else (v[k] if isinstance(v, (list, tuple)) else v)
+
+                lines.append(
+                    f"{name:<14}{k:>2}  {_fmt(curves['success'][k]):>8}{_fmt(curves['draw'][k]):>8}"
+                    f"{_fmt(curves['payoff'][k], True):>9}   |  {'':>11}"
+                    f"{_fmt(at('random_success')):>8}{_fmt(at('winnable')):>8}"
+                    f"{_fmt(at('best_fixed_by_success_success')):>8}{_fmt(at('random_payoff'), True):>9}"
+                    f"{_fmt(at('best_fixed_payoff'), True):>9}{_fmt(at('adaptive_payoff_bound'), True):>9}")
+    if oracle:
+        lines.append(ORACLE_LEGEND)
+    if "wall_seconds" in summary:
+        lines.append(f"wall time {summary['wall_seconds']:.0f} s, {summary.get('iterations')} iterations, "
+                     f"run dir {summary.get('run_dir')}")
+    return "\n".join(lines)

@@ -1,0 +1,331 @@
+"""From an ``ExperimentConfig`` to the parts of a run: the one reader of the config's library sections.
+
+``build_parts(cfg, run_dir)`` builds, once per run: the device mesh, the task sampler, the tokenizer
+(a local HF folder, or the word-level vocabulary of random-policy meta-episodes, saved in the run
+directory and loaded from there on resume), the model (random init or HF weights) and its sampler,
+and the training and evaluation runners. ``RunParts`` then makes the per-rollout objects (policies)
+and the train step. The trainer, the evaluator and the experiment entry points receive these parts;
+none of them translates config sections itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from mage_jax import config as C
+from mage_jax.algorithms import AdvantageConfig
+from mage_jax.models import sharding as shd
+from mage_jax.models.config import ModelConfig
+from mage_jax.models.hf_loading import load_hf_params
+from mage_jax.rollout.attempts import IndependentAttemptsRunner
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.policy import Generation, GenerationRequest, LLMPolicy, Policy
+from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+from mage_jax.sampling import Sampler, SamplingParams
+from mage_jax.tokenizer import Tokenizer, TokenizerError
+from mage_jax.training.checkpoint import Checkpointer
+from mage_jax.training.train_step import StepConfig, TrainStep, learning_rate_schedule, make_optimizer
+
+TOKENIZER_DIR = "tokenizer"
+EVAL_MODES = ("meta", "independent")
+
+
+# ----------------------------------------------------------------------------------------------
+# config sections -> library configs
+
+
+def length_buckets(limit: int, configured: Sequence[int] = ()) -> tuple[int, ...]:
+    """Token-length buckets up to ``limit``: the configured ones (plus ``limit`` itself when they stop
+    short of it), else 64, 96, 128, 192, 256, ... (powers of two and 1.5x)."""
+    if configured:
+        kept = sorted({int(b) for b in configured if b < limit})
+        return (*kept, int(limit))
+    out, b = [], 64
+    while True:
+        for v in (b, b * 3 // 2):
+            out.append(v)
+            if v >= limit:
+                return tuple(out)
+        b *= 2
+
+
+def row_length_buckets(cfg: C.ExperimentConfig) -> tuple[int, ...]:
+    """Buckets of prompt + response rows in the train step."""
+    r = cfg.rollout
+    return length_buckets(r.max_prompt_tokens + max(r.max_response_tokens, r.max_reflection_tokens or 0),
+                          r.length_buckets)
+
+
+def advantage_config(cfg: C.ExperimentConfig) -> AdvantageConfig:
+    a = cfg.algorithm
+    return AdvantageConfig(
+        reward_design=a.reward,
+        gamma_step=a.gamma_step,
+        gamma_traj=a.gamma_traj,
+        omega=a.step_weight,
+        norm=a.norm,
+        anchor=a.anchor,
+        invalid_penalty=a.invalid_penalty,
+        length_penalty=a.length_penalty,
+        max_response_length=cfg.rollout.max_response_tokens if a.length_penalty > 0 else None,
+    )
+
+
+def step_config(cfg: C.ExperimentConfig) -> StepConfig:
+    o, r = cfg.optim, cfg.rollout
+    return StepConfig(
+        clip_eps=o.clip_eps, dual_clip=o.dual_clip, entropy_coef=o.entropy_coef, kl_coef=o.kl_coef,
+        kl_kind=o.kl_kind, aggregation=o.aggregation, chunk_size=o.logprob_chunk,
+        constraint_len=r.max_response_tokens if r.constrained_actions else 0,
+    )
+
+
+def runner_config(cfg: C.ExperimentConfig, *, num_episodes: int, privileged_reflection: bool | None = None,
+                  keep_text: bool = False) -> RunnerConfig:
+    r = cfg.rollout
+    return RunnerConfig(
+        num_episodes=num_episodes,
+        memory_mode=r.memory_mode,
+        reflect=r.reflect,
+        prompt_style=r.prompt_style,
+        constrained_actions=r.constrained_actions,
+        privileged_reflection=(r.privileged_reflection if privileged_reflection is None
+                               else privileged_reflection),
+        anchor=cfg.algorithm.anchor,
+        max_prompt_tokens=r.max_prompt_tokens,
+        max_turns=r.max_turns,
+        max_response_tokens=r.max_response_tokens,
+        max_reflection_tokens=r.max_reflection_tokens or r.max_response_tokens,
+        keep_text=keep_text,
+    )
+
+
+def env_options(cfg: C.ExperimentConfig) -> dict[str, Any]:
+    """Keyword arguments of ``make_env``: ``env.options`` with ``env.data_dir`` when it is set."""
+    extra = {"data_dir": cfg.env.data_dir} if cfg.env.data_dir is not None else {}
+    return {**cfg.env.options, **extra}
+
+
+def _env_runner(cfg: C.ExperimentConfig, config: RunnerConfig) -> MetaEpisodeRunner:
+    """A runner of ``cfg``'s environment; bad environment options or missing data are one ConfigError."""
+    try:
+        return MetaEpisodeRunner(cfg.env.name, env_options(cfg), config)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        raise C.ConfigError(f"env {cfg.env.name}: {err}") from None
+
+
+def make_runner(cfg: C.ExperimentConfig, *, num_episodes: int, keep_text: bool = False) -> MetaEpisodeRunner:
+    return _env_runner(cfg, runner_config(cfg, num_episodes=num_episodes, keep_text=keep_text))
+
+
+def make_eval_runner(cfg: C.ExperimentConfig,
+                     eval_mode: str = "meta") -> MetaEpisodeRunner | IndependentAttemptsRunner:
+    """``meta``: meta-episodes of ``train.eval_num_episodes`` episodes; ``independent``: that many
+    one-episode attempts without memory (the single-episode baselines and ReAct, spec section 8)."""
+    if eval_mode not in EVAL_MODES:
+        raise C.ConfigError(f"eval_mode must be one of {', '.join(EVAL_MODES)} (got {eval_mode!r})")
+    n = cfg.train.eval_num_episodes
+    if eval_mode == "independent":
+        base = _env_runner(cfg, runner_config(cfg, num_episodes=1, privileged_reflection=False))
+        return IndependentAttemptsRunner(base, n)
+    return make_runner(cfg, num_episodes=n)
+
+
+def make_task_sampler(cfg: C.ExperimentConfig) -> TaskSampler:
+    e, r = cfg.env, cfg.rollout
+    opponents = dict(zip(e.opponents, e.opponent_ratios)) if e.opponents else None
+    return TaskSampler(TaskSamplerConfig(
+        num_tasks=r.num_tasks, group_size=r.group_size, opponents=opponents, grouping=e.grouping,
+        seats=e.seats if opponents else "first", seed=cfg.train.seed,
+        eval_seed=e.eval_seed,
+    ))
+
+
+def make_mesh(cfg: C.ExperimentConfig):
+    try:
+        return shd.make_mesh(cfg.mesh)
+    except ValueError as err:
+        raise C.ConfigError(f"mesh: {err}") from None
+
+
+def checkpoint_dir(cfg: C.ExperimentConfig, run_dir: str | None = None) -> str:
+    """Where the run of ``cfg`` keeps its checkpoints."""
+    return cfg.checkpoint.dir or os.path.join(run_dir or cfg.logging.run_dir or ".", "checkpoints")
+
+
+def make_checkpointer(cfg: C.ExperimentConfig, run_dir: str) -> Checkpointer:
+    return Checkpointer(checkpoint_dir(cfg, run_dir), keep=cfg.checkpoint.keep, every=cfg.checkpoint.every)
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer and model
+
+
+class CorpusPolicy:
+    """A random policy for the word-level corpus: a random allowed completion (or a format example)."""
+
+    def __init__(self, seed: int):
+        self._rng = np.random.default_rng(seed)
+
+    def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
+        return [len(p.split()) for p in prompts]
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        out = []
+        for req in requests:
+            if req.allowed_completions:
+                text = req.allowed_completions[int(self._rng.integers(len(req.allowed_completions)))]
+            elif "<remark>" in req.prompt:
+                text = "<remark> plan </remark>"
+            else:
+                text = ""
+            out.append(Generation(text=text, prompt_ids=(1,), response_ids=(1,), logprobs=(0.0,)))
+        return out
+
+
+def tokenizer_corpus(cfg: C.ExperimentConfig, task_sampler: TaskSampler) -> list[str]:
+    """Rendered prompts and responses of random-policy meta-episodes: the word-level vocabulary source.
+
+    Covers training and evaluation prompts (the held-out opponent included), so every word the model
+    will read is in the vocabulary.
+    """
+    texts: list[str] = []
+    n = cfg.tokenizer.corpus_meta_episodes
+    batches = [task_sampler.sample_train(i) for i in range(max(1, -(-n // task_sampler.config.batch_size)))]
+    tasks = [t for b in batches for t in b][:n]
+    episodes = max(cfg.rollout.num_episodes, cfg.train.eval_num_episodes)
+    runner = make_runner(cfg, num_episodes=episodes, keep_text=True)
+    jobs = [(tasks, True), (task_sampler.sample_eval(min(n, 64)), False)]
+    if cfg.env.heldout_opponent:
+        jobs.append((task_sampler.sample_eval(min(n, 64), opponent=cfg.env.heldout_opponent,
+                                              seat=cfg.env.heldout_seat), False))
+    for i, (job, training) in enumerate(jobs):
+        result = runner.run(job, CorpusPolicy(cfg.train.seed + i), training=training)
+        for row in result.rows:
+            texts.append(row.prompt_text or "")
+            texts.append(row.response_text or "")
+    return texts
+
+
+def build_tokenizer(cfg: C.ExperimentConfig, run_dir: str | None, task_sampler: TaskSampler) -> Tokenizer:
+    """The run's tokenizer: HF from a folder, or word-level built from rendered prompts (saved in the run
+    dir, and loaded from there on resume)."""
+    try:
+        if cfg.tokenizer.kind == "hf":
+            return Tokenizer.from_hf_dir(cfg.tokenizer.path or cfg.model.path,
+                                         enable_thinking=cfg.tokenizer.enable_thinking)
+        saved = os.path.join(run_dir, TOKENIZER_DIR) if run_dir else None
+        if saved and os.path.isdir(saved):
+            return Tokenizer.load(saved)
+        tok = Tokenizer.word_level(tokenizer_corpus(cfg, task_sampler))
+        if saved:
+            tok.save(saved)
+        return tok
+    except TokenizerError as err:
+        raise C.ConfigError(str(err)) from None
+
+
+def build_model(cfg: C.ExperimentConfig, tokenizer: Tokenizer, mesh: Any) -> tuple[ModelConfig, Any, Any]:
+    """(ModelConfig, graphdef, params): random init from a preset, or weights of a local HF folder."""
+    m = cfg.model
+    try:
+        if m.path is not None:
+            base = ModelConfig.from_hf_dir(m.path)
+            model_config = dataclasses.replace(base, dtype=m.dtype, **m.overrides)
+            model_config, graphdef, params = load_hf_params(m.path, model_config, mesh=mesh)
+        else:
+            vocab = -(-tokenizer.vocab_size // 8) * 8
+            model_config = ModelConfig.preset(m.preset, vocab_size=vocab, dtype=m.dtype, **m.overrides)
+            seed = cfg.train.seed if m.init_seed is None else m.init_seed
+            graphdef, params = shd.init_sharded(model_config, mesh, seed=seed)
+    except (ValueError, TypeError) as err:
+        raise C.ConfigError(f"model: {err}") from None
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise C.ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                            f"{model_config.vocab_size}")
+    return model_config, graphdef, params
+
+
+# ----------------------------------------------------------------------------------------------
+# the parts of a run
+
+
+@dataclasses.dataclass
+class RunParts:
+    """Everything built once per run from the config."""
+
+    cfg: C.ExperimentConfig
+    mesh: Any
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    graphdef: Any
+    sampler: Sampler
+    task_sampler: TaskSampler
+    train_runner: MetaEpisodeRunner
+    eval_runner: MetaEpisodeRunner | IndependentAttemptsRunner
+    init_params: Any
+
+    def policy(self, params: Any, key: jax.Array, *, evaluation: bool) -> Policy:
+        """The LLM policy of ``params`` with the training or the evaluation sampling settings."""
+        s = self.cfg.sampling.eval if evaluation else self.cfg.sampling.train
+        r = self.cfg.rollout
+        sampling = SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            max_new_tokens=max(r.max_response_tokens, r.max_reflection_tokens or 0),
+        )
+        return LLMPolicy(self.tokenizer, self.sampler, params, sampling, key,
+                         max_prompt_tokens=r.max_prompt_tokens)
+
+    def train_step(self) -> TrainStep:
+        """The jitted train step of ``cfg.optim`` (AdamW + clipping on its learning-rate schedule)."""
+        o = self.cfg.optim
+        schedule = learning_rate_schedule(o.lr, o.warmup_steps)
+        optimizer = make_optimizer(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
+                                   grad_clip=o.grad_clip)
+        return TrainStep(self.graphdef, optimizer, schedule, step_config(self.cfg), self.mesh)
+
+    def restore_params(self, directory: str, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """The trained parameters (and metadata) of a checkpoint, placed like ``init_params``."""
+        template = self.train_step().init_state(self.init_params)
+        with Checkpointer(directory) as ckpt:
+            if ckpt.latest_step() is None:
+                raise C.ConfigError(f"no complete checkpoint in {directory!r}")
+            state, meta = ckpt.restore(template, step)
+        return state.params, meta
+
+
+def build_parts(cfg: C.ExperimentConfig, run_dir: str | None, *, eval_mode: str = "meta") -> RunParts:
+    """Build every part of the run of ``cfg`` (the tokenizer is kept in, or read from, ``run_dir``)."""
+    mesh = make_mesh(cfg)
+    task_sampler = make_task_sampler(cfg)
+    eval_runner = make_eval_runner(cfg, eval_mode)
+    tokenizer = build_tokenizer(cfg, run_dir, task_sampler)
+    model_config, graphdef, params = build_model(cfg, tokenizer, mesh)
+    r = cfg.rollout
+    batch_axis = mesh.shape["data"] * mesh.shape["fsdp"]
+    largest = max(r.num_tasks * r.group_size, cfg.train.eval_meta_episodes,
+                  cfg.train.eval_heldout_meta_episodes)
+    batch_buckets = tuple(b for b in (8, 32, 128, 512) if b % batch_axis == 0 and b < largest) + (
+        -(-largest // batch_axis) * batch_axis,)
+    sampler = Sampler(
+        graphdef, model_config, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
+        prompt_buckets=length_buckets(r.max_prompt_tokens, r.length_buckets), batch_buckets=batch_buckets,
+        mesh=mesh, state_shardings=shd.param_shardings(params, mesh),
+    )
+    return RunParts(
+        cfg=cfg, mesh=mesh, tokenizer=tokenizer, model_config=model_config, graphdef=graphdef,
+        sampler=sampler, task_sampler=task_sampler,
+        train_runner=make_runner(cfg, num_episodes=r.num_episodes), eval_runner=eval_runner,
+        init_params=params,
+    )
+
+
+def evaluation_key(base_key: jax.Array, iteration: int) -> jax.Array:
+    """The sampling key of the evaluation after ``iteration``: re-evaluating a checkpoint reproduces it."""
+    return jax.random.fold_in(jax.random.fold_in(base_key, iteration), 1)

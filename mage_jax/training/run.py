@@ -1,0 +1,102 @@
+"""The one path of every run: config -> parts -> evaluator -> trainer -> report.
+
+``train`` trains (or resumes) a run and reports it; ``evaluate`` evaluates a parameter state (the
+initial model for the zero-shot baselines, or a checkpoint's parameters) without training. Both
+write ``config.json``, ``experiment.json`` (the evaluation protocol), ``metrics.jsonl`` and
+``summary.json`` in ``cfg.logging.run_dir`` and return a ``RunOutcome`` whose summary is exactly what
+``summary.json`` holds; the live objects (parts, trainer) travel beside it, never inside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+
+from mage_jax import config as C
+from mage_jax.evaluation.evaluator import EvalProtocol, Evaluator
+from mage_jax.evaluation.report import build_summary, log_evaluation, write_plots, write_summary
+from mage_jax.logging import MetricsLogger
+from mage_jax.training.assemble import RunParts, build_parts
+from mage_jax.training.trainer import Trainer
+
+PROTOCOL_FILE = "experiment.json"
+
+
+@dataclasses.dataclass
+class RunOutcome:
+    """A finished (or interrupted) run: its JSON summary and the live parts that produced it."""
+
+    summary: dict[str, Any]
+    parts: RunParts
+    trainer: Trainer | None = None
+    """None for evaluation-only runs."""
+
+    @property
+    def status(self) -> str:
+        return self.summary["status"]
+
+
+def _prepare(cfg: C.ExperimentConfig, protocol: EvalProtocol) -> str:
+    run_dir = cfg.logging.run_dir
+    if run_dir is None:
+        raise C.ConfigError("logging.run_dir must be set before a run")
+    C.save(cfg, run_dir)
+    path = os.path.join(run_dir, PROTOCOL_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(C.to_dict(protocol), f, indent=1)
+    os.replace(path + ".tmp", path)
+    return run_dir
+
+
+def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resume: bool = False,
+          experiment: str | None = None) -> RunOutcome:
+    """Train (or resume) the run of ``cfg``, evaluate it with ``protocol`` and report it."""
+    start = time.perf_counter()
+    protocol = protocol or EvalProtocol()
+    run_dir = _prepare(cfg, protocol)
+    parts = build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)
+    trainer = Trainer(parts, Evaluator(parts, protocol, progress=cfg.logging.progress), resume=resume)
+    setup_seconds = time.perf_counter() - start
+    result = trainer.run()
+    if result.final is None:
+        return RunOutcome({"status": result.status, "iteration": result.iteration}, parts, trainer)
+    if cfg.logging.plots:
+        write_plots(run_dir, result.final)
+    summary = build_summary(
+        experiment=experiment or cfg.name, iterations=result.iteration, run_dir=run_dir,
+        model_config=parts.model_config, results=result.final, wall_seconds=time.perf_counter() - start,
+        setup_seconds=setup_seconds,
+    )
+    write_summary(run_dir, summary)
+    return RunOutcome(summary, parts, trainer)
+
+
+def evaluate(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, experiment: str | None = None,
+             parts: RunParts | None = None, params: Any = None, key: jax.Array | None = None,
+             iteration: int = 0, **summary_fields: Any) -> RunOutcome:
+    """Evaluate ``params`` (default: the initial model) on every split of ``protocol`` and report it.
+
+    ``parts`` defaults to the parts of ``cfg`` (its tokenizer kept in ``cfg.logging.run_dir``); ``key``
+    to ``jax.random.key(train.seed)``. ``summary_fields`` go into the summary as they are.
+    """
+    start = time.perf_counter()
+    protocol = protocol or EvalProtocol()
+    run_dir = _prepare(cfg, protocol)
+    parts = parts or build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)
+    evaluator = Evaluator(parts, protocol, progress=cfg.logging.progress)
+    results = evaluator.evaluate(parts.init_params if params is None else params,
+                                 jax.random.key(cfg.train.seed) if key is None else key, heldout=True)
+    with MetricsLogger(run_dir, config=C.to_dict(cfg)) as logger:
+        log_evaluation(logger, iteration, results)
+    summary = build_summary(
+        experiment=experiment or cfg.name, iterations=iteration, run_dir=run_dir,
+        model_config=parts.model_config, results=results, wall_seconds=time.perf_counter() - start,
+        **summary_fields,
+    )
+    write_summary(run_dir, summary)
+    return RunOutcome(summary, parts)

@@ -1,0 +1,41 @@
+"""Config -> run parts: environment options reach the environment, and bad ones are one error line."""
+
+from __future__ import annotations
+
+import pytest
+
+from mage_jax import config as C
+from mage_jax.rollout.attempts import IndependentAttemptsRunner
+from mage_jax.training.assemble import env_options, make_eval_runner, make_runner
+
+WORD_LEVEL = {"tokenizer.kind": "word_level"}
+
+
+def test_env_data_dir_is_passed_to_the_environment_with_its_options():
+    cfg = C.apply_overrides(C.ExperimentConfig(), {**WORD_LEVEL, "env.name": "webshop",
+                                                   "env.options": {"split": "test"}, "env.data_dir": "/d"})
+    assert env_options(cfg) == {"split": "test", "data_dir": "/d"}
+    plain = C.apply_overrides(C.ExperimentConfig(), WORD_LEVEL)
+    assert env_options(plain) == {}
+
+
+def test_missing_environment_data_is_one_config_error_line(tmp_path):
+    cfg = C.apply_overrides(C.ExperimentConfig(), {**WORD_LEVEL, "env.name": "webshop", "env.opponents": [],
+                                                   "env.opponent_ratios": [], "env.data_dir": str(tmp_path)})
+    message = r"^env webshop: WebShop data not found: items_shuffle_1000.json"
+    with pytest.raises(C.ConfigError, match=message) as err:
+        make_runner(cfg, num_episodes=1)
+    assert "\n" not in str(err.value)
+    with pytest.raises(C.ConfigError, match="WebShop data not found"):
+        make_eval_runner(cfg, "independent")
+
+
+def test_evaluation_runner_plays_the_evaluation_episodes_in_either_mode():
+    cfg = C.apply_overrides(C.ExperimentConfig(), {**WORD_LEVEL, "rollout.num_episodes": 2,
+                                                   "train.eval_num_episodes": 4})
+    assert make_eval_runner(cfg).config.num_episodes == 4
+    attempts = make_eval_runner(cfg, "independent")
+    assert isinstance(attempts, IndependentAttemptsRunner) and attempts.config.num_episodes == 4
+    assert attempts.base.config.privileged_reflection is False
+    with pytest.raises(C.ConfigError, match="eval_mode"):
+        make_eval_runner(cfg, "sometimes")
