@@ -227,5 +227,5 @@ def matmul_peak(size: int = 2048, repeats: int = 5) -> dict[str, float]:
         start = time.perf_counter()
         torch.mm(t, t)
         best_torch = min(best_torch, time.perf_counter() - start)
-    return {"size": size, "jax_gflops": round(flops / best_jax / 1e9, 1),
-            "torch_gflops": round(flops / best_torch / 1e9, 1)}
+    return {"size": size, "jax_gflops": round(flops / best_jax / 1e9, 3),
+            "torch_gflops": round(flops / best_torch / 1e9, 3)}

@@ -79,18 +79,20 @@ def make_batch(rows: int, length: int, prompt_len: int, vocab: int, seed: int) -
     return Batch(tokens, targets, response, advantages, prompt_len)
 
 
-def our_batch_arrays(batch: Batch) -> dict[str, np.ndarray]:
-    """The mini-batch arrays ``TrainStep`` takes (what ``minibatch_arrays`` builds from a packed batch)."""
+def our_batch_arrays(batch: Batch) -> Any:
+    """The ``TrainBatch`` ``TrainStep`` takes (what ``TrainBatch.from_packed`` builds from a packed batch)."""
+    from mage_jax.training.train_step import TrainBatch
+
     rows, length = batch.tokens.shape
-    return {
-        "tokens": batch.tokens,
-        "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
-        "token_mask": np.ones((rows, length), bool),
-        "targets": batch.targets,
-        "response_mask": batch.response_mask,
-        "prompt_lengths": np.full(rows, batch.prompt_len, np.int32),
-        "advantages": batch.advantages,
-    }
+    return TrainBatch(
+        tokens=batch.tokens,
+        positions=np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
+        token_mask=np.ones((rows, length), bool),
+        targets=batch.targets,
+        response_mask=batch.response_mask,
+        prompt_lengths=np.full(rows, batch.prompt_len, np.int32),
+        advantages=batch.advantages,
+    )
 
 
 def build_ours(folder: str, batch: Batch) -> tuple[Callable[[], Any], np.ndarray, dict[str, Any]]:
@@ -111,7 +113,7 @@ def build_ours(folder: str, batch: Batch) -> tuple[Callable[[], Any], np.ndarray
     state = step.init_state(params)
     arrays = step.place_batch(our_batch_arrays(batch))
     old = step.compute_logprobs(state.params, arrays)
-    arrays = dict(arrays, old_logprobs=old)
+    arrays = arrays.replace(old_logprobs=old)
     holder = {"state": state}
 
     def run() -> Any:

@@ -13,7 +13,7 @@ from experiments.benchmarks.common import pinned_threads
 def test_train_step_benchmark_reports_both_sides(tmp_path):
     out = tmp_path / "train.json"
     report = train_step.main(["--shape", "tiny", "--rows", "2", "--length", "16", "--prompt-len", "8",
-                              "--repeats", "3", "--threads", "0", "--peak-size", "64", "--out", str(out)])
+                              "--repeats", "3", "--threads", "0", "--peak-size", "256", "--out", str(out)])
     assert json.loads(out.read_text()) == report
     assert report["tokens_per_step"] == 32 and report["batch"]["response_targets_per_row"] == 8
     assert report["flops_per_step"] == 6 * report["model"]["parameters"] * 32
