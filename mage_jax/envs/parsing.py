@@ -45,8 +45,9 @@ def strip_thinking(text: str) -> str:
 def extract_tagged(text: str, tag: str) -> str | None:
     """Text of the last complete ``<tag>...</tag>`` pair of ``text``, stripped; None if there is none.
 
-    The pair is the last ``</tag>`` and the last ``<tag>`` before it, so a trailing unclosed
-    ``<tag>`` (a cut-off restatement) leaves the earlier complete answer in force.
+    The pair is the last ``<tag>`` before the last ``</tag>``, closed by the first ``</tag>`` after it
+    (so the text never holds a closing tag), and a trailing unclosed ``<tag>`` (a cut-off
+    restatement) leaves the earlier complete answer in force.
     """
     if not isinstance(text, str):
         return None
@@ -57,6 +58,7 @@ def extract_tagged(text: str, tag: str) -> str | None:
     start = text.rfind(open_tag, 0, end)
     if start < 0:
         return None
+    end = text.find(close_tag, start + len(open_tag))
     return text[start + len(open_tag):end].strip()
 
 

@@ -48,3 +48,8 @@ def test_reflection_is_capped_at_2000_characters_and_missing_tags_are_invalid():
     assert extract_reflection(f"<remark>{exact}</remark>") == (exact, True)
     assert extract_reflection("<remark>" + "w" * 2001 + "</remark>")[0] == "w" * 2000
     assert extract_reflection("no tags") == ("", False)
+
+
+def test_a_stray_closing_tag_never_ends_up_inside_the_answer():
+    assert extract_action("<action></action></action>") == ""
+    assert extract_action("<action>BET</action> and </action>") == "BET"
