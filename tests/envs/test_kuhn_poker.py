@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import pytest
 
+from experiments.environments import environment
 from mage_jax.envs import make_env
 from mage_jax.envs.kuhn_poker import (
     KUHN_PROMPT_SPEC,
@@ -244,8 +245,6 @@ def test_bad_configuration_gets_one_clear_error():
 def test_the_reference_prompt_is_the_default_and_the_trial_hint_an_option():
     """The reference prompt does not say that trials replay one deal and opponent; the tiny preset
     (a from-scratch model) opts into that sentence, the pretrained presets do not."""
-    from experiments.presets import environment
-
     hint = "Every trial replays the same deal"
     assert hint not in KuhnPokerEnv().prompt_spec.preamble
     assert "Same deal" not in KuhnPokerEnv().prompt_spec.compact_preamble

@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
+from experiments.environments import environment
 from mage_jax.envs import make_env
 from mage_jax.envs.opponents.tic_tac_toe import PREFERRED_ORDERS
 from mage_jax.envs.tic_tac_toe import (
@@ -255,8 +256,6 @@ def test_registry_prompt_spec_and_bad_configuration():
 
 
 def test_the_reference_prompt_is_the_default_and_the_trial_hint_an_option():
-    from experiments.presets import environment
-
     hint = "Every trial starts from the same position"
     assert hint not in TicTacToeEnv().prompt_spec.preamble
     assert "Same start" not in TicTacToeEnv().prompt_spec.compact_preamble
