@@ -26,8 +26,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mage_jax import config as C
+from mage_jax.training.run import finished_iteration
 
 EXIT_CONFIG_ERROR = 2
+RESUMABLE_KEYS = ("train.iterations", "train.eval_every", "checkpoint.every", "checkpoint.keep", "logging.")
+"""What ``--resume`` may change: how long the run goes on, its evaluation and checkpoint cadences and its
+logging. Everything else (shapes, data, algorithm) is the run's and stays as saved."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +159,9 @@ def parse_command_line(
             raise C.ConfigError(f"--resume: {run_dir!r} holds no {C.CONFIG_FILE}; nothing to resume")
         if args.preset is not None or args.config is not None:
             raise C.ConfigError("--resume continues the run's saved config; drop --preset / --config")
-        cfg = C.load(run_dir)
+        saved = C.load(run_dir)
+        cfg = C.apply_overrides(saved, _ordered(overrides))
+        _check_resume_overrides(saved, cfg)
         preset_name = None
     else:
         preset_name = args.preset or default_preset
@@ -166,18 +172,72 @@ def parse_command_line(
             preset_name = None
         else:
             cfg = C.apply_overrides(C.ExperimentConfig(name=experiment), presets[preset_name].overrides)
-    cfg = C.apply_overrides(cfg, dict(overrides) if len({k for k, _ in overrides}) == len(overrides)
-                            else _ordered(overrides))
+        cfg = C.apply_overrides(cfg, _ordered(overrides))
     if run_dir is None:
         run_dir = cfg.logging.run_dir or default_run_dir(experiment)
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir=run_dir))
     if preset_name is not None:
         presets[preset_name].check(preset_name, cfg)
+    check_consistent(cfg, preset_name)
     C.validate(cfg)
+    check_run_dir(run_dir)
     if not args.resume and os.path.exists(os.path.join(run_dir, C.CONFIG_FILE)):
         raise C.ConfigError(f"run directory {run_dir!r} already holds a run; pass --resume to continue it "
                             "or choose another --run-dir")
+    if args.resume:
+        done = finished_iteration(run_dir)
+        if done is not None and cfg.train.iterations <= done:
+            print(f"run {run_dir!r} finished at iteration {done} (see its summary.json); nothing to resume. "
+                  f"Raise --train.iterations to train it further.", file=sys.stderr)
+            return None
     return cfg, RunOptions(preset=preset_name, run_dir=run_dir, resume=bool(args.resume))
+
+
+def _check_resume_overrides(saved: C.ExperimentConfig, cfg: C.ExperimentConfig) -> None:
+    """One ConfigError naming the first changed key that ``--resume`` may not change."""
+    before, after = _flat(C.to_dict(saved)), _flat(C.to_dict(cfg))
+    for key, value in after.items():
+        if key != "logging.run_dir" and before.get(key) != value and not key.startswith(RESUMABLE_KEYS):
+            raise C.ConfigError(
+                f"--resume cannot change {key} (saved {before.get(key)!r}, asked {value!r}); a resumed run "
+                f"may change only {', '.join(k.rstrip('.') for k in RESUMABLE_KEYS)}; start a new run with "
+                "another --run-dir for the rest")
+
+
+def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping) and prefix + k not in _DICT_KEYS:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+_DICT_KEYS = frozenset(C.all_keys())
+
+
+def check_consistent(cfg: C.ExperimentConfig, preset: str | None = None) -> None:
+    """One ConfigError for settings that each are valid but make no sense together."""
+    named = f"preset {preset!r}" if preset else "this config"
+    if cfg.model.path is not None and cfg.tokenizer.kind == "word_level":
+        raise C.ConfigError(
+            f"{named} trains a from-scratch model with its own word-level tokenizer, but --model-path loads "
+            "pretrained weights that need their own tokenizer; use --preset small or paper with "
+            "--model-path (or set --tokenizer.kind hf)")
+
+
+def check_run_dir(run_dir: str) -> None:
+    """One ConfigError unless ``run_dir`` is (or can be made) a writable folder."""
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise C.ConfigError(f"--run-dir {run_dir!r} is a file, not a folder")
+    parent = os.path.abspath(run_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise C.ConfigError(f"--run-dir {run_dir!r} cannot be created: {parent!r} is a file")
+    if not os.access(parent, os.W_OK):
+        raise C.ConfigError(f"--run-dir {run_dir!r} cannot be written: no write permission in {parent!r}")
 
 
 def _ordered(pairs: list[tuple[str, str]]) -> dict[str, str]:

@@ -63,11 +63,14 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return records
 
 
-def truncate_after(path: str, iteration: int) -> None:
-    """Keep only the records with ``iteration <= iteration`` (used when resuming from a checkpoint)."""
+def truncate_after(path: str, iteration: int, *, keep_evaluations: bool = True) -> None:
+    """Keep only the records with ``iteration <= iteration`` (used when resuming from a checkpoint);
+    ``keep_evaluations=False`` also drops the evaluation records of ``iteration`` itself (the resumed
+    run evaluates it again: its final evaluation, when a kill came before the run was marked done)."""
     if not os.path.exists(path):
         return
-    kept = [r for r in read_jsonl(path) if int(r.get("iteration", 0)) <= iteration]
+    kept = [r for r in read_jsonl(path) if int(r.get("iteration", 0)) < iteration
+            or (int(r.get("iteration", 0)) == iteration and (keep_evaluations or r.get("split") == "train"))]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         for r in kept:
@@ -87,12 +90,13 @@ class MetricsLogger:
         wandb_project: str = "mage-jax",
         config: Mapping[str, Any] | None = None,
         resume_iteration: int | None = None,
+        keep_evaluations: bool = True,
     ):
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
         if resume_iteration is not None:
-            truncate_after(self.path, resume_iteration)
+            truncate_after(self.path, resume_iteration, keep_evaluations=keep_evaluations)
         elif os.path.exists(self.path):
             os.remove(self.path)
         self._file = open(self.path, "a")  # noqa: SIM115 (open for the logger's lifetime)

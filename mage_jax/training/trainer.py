@@ -95,6 +95,7 @@ class Trainer:
             self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
             wandb_project=cfg.logging.wandb_project, config=C.to_dict(cfg),
             resume_iteration=self.start_iteration if resume else None,
+            keep_evaluations=self.start_iteration < cfg.train.iterations,  # else its final one reruns
         )
 
     # -- one iteration ---------------------------------------------------------------------------------
