@@ -21,11 +21,14 @@ def one_error_line(capsys) -> str:
         (kuhn_poker.main, ["--env.opponents", "a,b,c"], "unknown Kuhn Poker opponent 'a'"),
         (kuhn_poker.main, ["--env.heldout_opponent", "nobody"], "unknown Kuhn Poker opponent 'nobody'"),
         (tic_tac_toe.main, ["--env.opponents", "conservative,aggressive,intermediate",
-                            "--env.opponent_ratios", "0.3,0.3,0.4"], "unknown Tic-Tac-Toe opponent 'conservative'"),
+                            "--env.opponent_ratios", "0.3,0.3,0.4"],
+         "unknown Tic-Tac-Toe opponent 'conservative'"),
         (kuhn_poker.main, ["--env.opponent_ratios", "0,0,1"], "needs a positive pool ratio"),
         (webshop.main, ["--env.options", '{"bogus": 1}'], "env webshop: "),
-        (alfworld.main, ["--env.data_dir", "/nonexistent/alfworld"], "env alfworld: ALFWorld data not found"),
-        (sokoban.main, ["--env.opponents", "cfr", "--env.opponent_ratios", "1"], "env sokoban has no opponents"),
+        (alfworld.main, ["--env.data_dir", "/nonexistent/alfworld"],
+         "env alfworld: ALFWorld data not found"),
+        (sokoban.main, ["--env.opponents", "cfr", "--env.opponent_ratios", "1"],
+         "env sokoban has no opponents"),
         (kuhn_poker.main, ["--mesh.data", "3"], "error: mesh: "),
         # found after the word-level tokenizer was built and saved in the run directory
         (kuhn_poker.main, ["--model.overrides", '{"num_heads": 3}', "--tokenizer.corpus_meta_episodes", "4"],
@@ -58,7 +61,8 @@ def test_a_run_dir_that_cannot_be_a_folder_is_one_line(tmp_path, capsys, where, 
 
 def test_the_tiny_preset_with_a_pretrained_model_folder_is_refused(tmp_path, capsys, tiny_hf_model):
     run_dir = tmp_path / "run"
-    assert kuhn_poker.main(["--preset", "tiny", "--model-path", tiny_hf_model, "--run-dir", str(run_dir)]) == 2
+    argv = ["--preset", "tiny", "--model-path", tiny_hf_model, "--run-dir", str(run_dir)]
+    assert kuhn_poker.main(argv) == 2
     line = one_error_line(capsys)
     assert "preset 'tiny'" in line and "--preset small or paper" in line
     assert not run_dir.exists()
