@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -79,12 +80,14 @@ class ConfigErrorParser(argparse.ArgumentParser):
 
 
 def _parser(prog: str, description: str, presets: Mapping[str, Preset],
-            default_preset: str) -> ConfigErrorParser:
+            default_preset: str, extra: Sequence[tuple[str, Mapping[str, Any]]] = ()) -> ConfigErrorParser:
     p = ConfigErrorParser(prog=prog, description=description, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Config keys take --KEY VALUE or --set KEY=VALUE, e.g. --optim.lr 1e-3 "
                        "(list them with --list-keys). Presets: "
                        + "; ".join(f"{k}: {v.description}" for k, v in presets.items()))
+    for flag, options in extra:  # the entry point's own flags, listed by --help
+        p.add_argument(flag, **options)
     p.add_argument("--preset", choices=sorted(presets), default=None,
                    help=f"named preset (default: {default_preset})")
     p.add_argument("--config", default=None, help="start from this config.json instead of a preset")
@@ -96,6 +99,23 @@ def _parser(prog: str, description: str, presets: Mapping[str, Preset],
                    help="continue the run in --run-dir from its latest checkpoint")
     p.add_argument("--list-keys", action="store_true", help="print every config key and exit")
     return p
+
+
+def _show(value: Any) -> str:
+    return json.dumps(C.to_dict(value) if dataclasses.is_dataclass(value) else value, default=str)
+
+
+def format_keys(preset_cfg: C.ExperimentConfig | None = None, preset: str | None = None) -> str:
+    """Every config key: its type, default, the value of ``preset`` and its docstring (``--list-keys``)."""
+    lines = []
+    for info in C.describe_keys():
+        head = f"--{info.key}  ({info.type_name})  default: {_show(info.default)}"
+        if preset_cfg is not None:
+            head += f"  preset {preset}: {_show(C.get_key(preset_cfg, info.key))}"
+        lines.append(head)
+        if info.doc:
+            lines.append(f"      {info.doc}")
+    return "\n".join(lines)
 
 
 def split_dotted(argv: Sequence[str]) -> tuple[list[tuple[str, str]], list[str]]:
@@ -132,20 +152,27 @@ def parse_command_line(
     presets: Mapping[str, Preset],
     default_preset: str,
     description: str = "",
+    prog: str | None = None,
+    extra: Sequence[tuple[str, Mapping[str, Any]]] = (),
 ) -> tuple[C.ExperimentConfig, RunOptions] | None:
     """Build and validate the config of a command line; ConfigError on any problem.
 
-    Returns None when the command only asked for information (``--list-keys``, ``--help``).
+    ``prog`` names the module (default ``python -m experiments.<experiment>``); ``extra`` are the entry
+    point's own flags (already read by it), so that ``--help`` lists them. Returns None when the command
+    only asked for information (``--list-keys``, ``--help``, ``--resume`` of a finished run).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     dotted, rest = split_dotted(argv)
-    parser = _parser(f"python -m experiments.{experiment}", description, presets, default_preset)
+    parser = _parser(prog or f"python -m experiments.{experiment}", description, presets, default_preset,
+                     extra)
     try:
         args = parser.parse_args(rest)
     except SystemExit:  # --help
         return None
     if args.list_keys:
-        print("\n".join(C.all_keys()))
+        name = args.preset or default_preset
+        preset_cfg = C.apply_overrides(C.ExperimentConfig(name=experiment), presets[name].overrides)
+        print(format_keys(preset_cfg, name))
         return None
     overrides: list[tuple[str, str]] = [C.parse_assignment(s) for s in args.sets] + dotted
     if args.model_path is not None:

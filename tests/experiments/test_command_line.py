@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from experiments import alfworld, kuhn_poker, sokoban, tic_tac_toe, webshop
+from experiments import alfworld, baselines, evaluate, kuhn_poker, sokoban, table1, tic_tac_toe, webshop
+from mage_jax import config as C
 
 
 def one_error_line(capsys) -> str:
@@ -66,3 +67,36 @@ def test_the_tiny_preset_with_a_pretrained_model_folder_is_refused(tmp_path, cap
     line = one_error_line(capsys)
     assert "preset 'tiny'" in line and "--preset small or paper" in line
     assert not run_dir.exists()
+
+
+def test_list_keys_shows_type_default_the_presets_value_and_the_docstring(capsys):
+    assert tic_tac_toe.main(["--list-keys"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    lr = next(i for i, line in enumerate(out) if line.startswith("--optim.lr "))
+    assert out[lr] == "--optim.lr  (float)  default: 1e-06  preset tiny: 0.001"
+    data = next(i for i, line in enumerate(out) if line.startswith("--env.data_dir "))
+    assert "(str or none)" in out[data]
+    assert out[data + 1].strip().startswith("Local folder of the environment")
+    assert sum(line.startswith("--") for line in out) == len(C.all_keys())
+
+
+def test_evaluate_lists_its_keys_without_a_run(capsys):
+    assert evaluate.main(["--list-keys"]) == 0
+    out = capsys.readouterr().out
+    assert "--train.eval_meta_episodes  (int)" in out
+
+
+def test_baselines_help_names_its_module_and_its_env_and_method_flags(capsys):
+    assert baselines.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m experiments.baselines")
+    assert "--env ENV" in out and "--method METHOD" in out and "reflexion:" in out
+
+
+def test_table1_help_explains_every_flag(capsys):
+    assert table1.main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("--envs ENVS comma-separated environments", "--methods METHODS comma-separated methods",
+                 "--seeds SEEDS comma-separated seeds", "--out-dir OUT_DIR, --out OUT_DIR where the runs",
+                 "--collect-only tabulate finished runs"):
+        assert text in out

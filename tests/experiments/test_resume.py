@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from experiments import kuhn_poker
+from experiments import evaluate, kuhn_poker
 from mage_jax.logging import read_jsonl
 from mage_jax.training.run import FINISHED_FILE
 
@@ -92,3 +92,11 @@ def test_resume_may_train_a_finished_run_further_and_change_cadences(finished, c
                                 ("train", 3), ("eval", 3), ("heldout", 3)]
     assert json.loads((run_dir / FINISHED_FILE).read_text()) == {"iteration": 3}
     assert json.loads((run_dir / "config.json").read_text())["train"]["iterations"] == 3
+
+
+def test_evaluating_a_step_the_run_does_not_have_is_one_line(finished, tmp_path, capsys):
+    out = tmp_path / "eval"
+    assert evaluate.main(["--run-dir", str(finished), "--step", "7", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "7" in err[0], err
+    assert not out.exists()
