@@ -248,8 +248,13 @@ class LoggingConfig:
     wandb: bool = False
     wandb_project: str = "mage-jax"
     progress: bool = True
-    """tqdm progress bars during training and evaluation."""
+    """tqdm progress bars during training and evaluation (and inside a long rollout: rows generated)."""
     plots: bool = True
+    samples: int = 2
+    """Meta-episodes per evaluation split whose prompts, responses and reflections are written to
+    ``samples.jsonl`` (and TensorBoard text when on); 0: none."""
+    samples_every: int = 10
+    """Also write the samples of the training rollout every k iterations; 0: never."""
 
 
 @dataclasses.dataclass(frozen=True)

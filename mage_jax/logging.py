@@ -8,18 +8,20 @@ file of a resumed run reads exactly like the file of an uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 WANDB_ID_FILE = "wandb_id.txt"
 
 
@@ -95,10 +97,12 @@ class MetricsLogger:
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
-        if resume_iteration is not None:
-            truncate_after(self.path, resume_iteration, keep_evaluations=keep_evaluations)
-        elif os.path.exists(self.path):
-            os.remove(self.path)
+        self.samples_path = os.path.join(run_dir, SAMPLES_FILE)
+        for path in (self.path, self.samples_path):
+            if resume_iteration is not None:
+                truncate_after(path, resume_iteration, keep_evaluations=keep_evaluations)
+            elif os.path.exists(path):
+                os.remove(path)
         self._file = open(self.path, "a")  # noqa: SIM115 (open for the logger's lifetime)
         self._tb = _open_tensorboard(run_dir) if tensorboard else None
         self._wandb = _open_wandb(run_dir, wandb_project, config) if wandb else None
@@ -117,6 +121,17 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({f"{split}/{k}": v for k, v in scalars.items()}, step=int(iteration))
         return record
+
+    def log_samples(self, iteration: int, samples: Sequence[Any], *, split: str, text: str) -> None:
+        """Append sampled model calls (dataclasses, ``evaluation.samples.Sample``) to ``samples.jsonl``,
+        one record each, and ``text`` (their markdown) to TensorBoard when on."""
+        with open(self.samples_path, "a") as f:
+            for s in samples:
+                record = {"split": split, "iteration": int(iteration), **dataclasses.asdict(s)}
+                f.write(json.dumps(to_jsonable(record)) + "\n")
+        if self._tb is not None:
+            self._tb.add_text(f"{split}/samples", text, int(iteration))
+            self._tb.flush()
 
     def close(self) -> None:
         if not self._file.closed:

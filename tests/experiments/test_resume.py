@@ -24,6 +24,10 @@ def comparable(run_dir):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(str(run_dir))]
 
 
+def samples(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, request):
     """A finished 2-iteration smoke run with a checkpoint per iteration."""
@@ -31,7 +35,8 @@ def finished(tmp_path_factory, request):
     from tests.experiments.conftest import _smoke_args
 
     run_dir = tmp_path_factory.mktemp("resume") / "run"
-    args = _smoke_args({"train.iterations": 2, "checkpoint.every": 1, "checkpoint.keep": 2})
+    args = _smoke_args({"train.iterations": 2, "checkpoint.every": 1, "checkpoint.keep": 2,
+                        "logging.samples_every": 1})
     assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == 0
     return run_dir
 
@@ -73,21 +78,42 @@ def test_resume_refuses_a_change_of_the_runs_own_settings_in_one_line_and_rewrit
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == files
 
 
-def test_a_kill_after_the_final_records_and_before_the_finish_mark_duplicates_nothing(finished, copy_of):
+def test_samples_of_what_the_model_wrote_are_logged_per_evaluation_and_every_k_iterations(finished):
+    logged = samples(finished)
+    assert sorted({(s["split"], s["iteration"]) for s in logged}) == [
+        ("eval", 2), ("heldout", 2), ("train", 1), ("train", 2)]
+    for split, iteration in {(s["split"], s["iteration"]) for s in logged}:
+        calls = [s for s in logged if (s["split"], s["iteration"]) == (split, iteration)]
+        assert len({s["meta_episode"] for s in calls}) == 2  # logging.samples meta-episodes
+    assert all(s["phase"] == "play" and s["prompt"] and s["response"] for s in logged)
+    assert any("Kuhn" in s["prompt"] for s in logged) and all("<action>" in s["response"] for s in logged)
+
+
+def test_a_kill_after_the_final_records_and_before_the_finish_mark_duplicates_nothing(finished, copy_of,
+                                                                                       capsys):
     run_dir = copy_of(finished)
     # the state of a kill after the final evaluation's records and checkpoint, before summary and mark
     (run_dir / FINISHED_FILE).unlink()
     (run_dir / "summary.json").unlink()
     assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume"]) == 0
     assert comparable(run_dir) == comparable(finished)
+    assert samples(run_dir) == samples(finished)
     assert (run_dir / FINISHED_FILE).exists() and (run_dir / "summary.json").exists()
+    assert "rows generated" not in capsys.readouterr().err  # logging.progress false: no progress
 
 
-def test_resume_may_train_a_finished_run_further_and_change_cadences(finished, copy_of):
+def test_resume_may_train_a_finished_run_further_and_change_cadences(finished, copy_of, capsys):
     run_dir = copy_of(finished)
     argv = ["--run-dir", str(run_dir), "--resume", "--train.iterations", "3", "--checkpoint.keep", "1",
-            "--logging.progress", "false"]
+            "--logging.progress", "true"]
+    capsys.readouterr()
     assert kuhn_poker.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "iteration 3: rollout, 4 rows generated" in err  # progress inside the iteration
+    table = out.splitlines()
+    header = next(line for line in table if line.startswith("opponent"))
+    assert header.split()[:6] == ["opponent", "k", "success", "draw", "payoff", "valid"]
+    assert table[table.index(header) + 1].split()[5] == "100%"  # constrained decoding: every action legal
     assert records(run_dir) == [("train", 1), ("train", 2), ("eval", 2), ("heldout", 2),
                                 ("train", 3), ("eval", 3), ("heldout", 3)]
     assert json.loads((run_dir / FINISHED_FILE).read_text()) == {"iteration": 3}
