@@ -9,10 +9,15 @@ Every experiment module (``python -m experiments.<name>``) accepts the same flag
     --run-dir DIR            where the run writes (default runs/<experiment>/<timestamp>)
     --model-path DIR         shorthand for --model.path DIR (a local Hugging Face folder)
     --resume                 continue the run in --run-dir from its latest checkpoint
-    --list-keys              print every config key and exit
+    --list-keys              print every config key (type, default, the preset's value, docstring)
 
 Every problem with the command line or the resulting config is reported as ONE line on stderr
-(``error: ...``) with exit status 2, before anything is written.
+(``error: ...``) with exit status 2, before anything is written; problems found while the run is
+built (``training.run``) are one line too and leave nothing behind.
+
+Resume: the saved config is the run's; only the keys of ``RESUMABLE_KEYS`` may change (anything else
+is one line, and nothing is rewritten). A run marked finished (``finished.json``) is reported
+finished, unless ``--train.iterations`` asks for more.
 """
 
 from __future__ import annotations
