@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from experiments.common import Preset, RunOptions, run_cli
-from experiments.environments import environment
+from experiments.environments import ENVIRONMENTS, environment
 from experiments.presets import EnvExperiment
 from mage_jax import config as C
 from mage_jax.evaluation.evaluator import EvalProtocol
@@ -139,9 +139,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(results_table(outcome.summary, env.titles))
         return 0
 
+    extra = (("--env", {"default": known.env, "help": f"environment, one of {', '.join(ENVIRONMENTS)} "
+                                                       "(default: kuhn_poker)"}),
+             ("--method", {"default": known.method, "help": "Table 1 method: " + "; ".join(
+                 f"{k}: {v.description}" for k, v in METHODS.items()) + " (default: mage)"}))
     return run_cli(rest, run, experiment=f"{known.env}_{known.method}", presets=method_presets(env, m),
-                   default_preset=env.default_preset,
-                   description=f"{m.description} on {known.env} (--env ENV --method METHOD)")
+                   default_preset=env.default_preset, prog="python -m experiments.baselines", extra=extra,
+                   description=f"Table 1 methods on the environments; now: {m.description} on {known.env}")
 
 
 if __name__ == "__main__":

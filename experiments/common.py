@@ -9,10 +9,15 @@ Every experiment module (``python -m experiments.<name>``) accepts the same flag
     --run-dir DIR            where the run writes (default runs/<experiment>/<timestamp>)
     --model-path DIR         shorthand for --model.path DIR (a local Hugging Face folder)
     --resume                 continue the run in --run-dir from its latest checkpoint
-    --list-keys              print every config key and exit
+    --list-keys              print every config key (type, default, the preset's value, docstring)
 
 Every problem with the command line or the resulting config is reported as ONE line on stderr
-(``error: ...``) with exit status 2, before anything is written.
+(``error: ...``) with exit status 2, before anything is written; problems found while the run is
+built (``training.run``) are one line too and leave nothing behind.
+
+Resume: the saved config is the run's; only the keys of ``RESUMABLE_KEYS`` may change (anything else
+is one line, and nothing is rewritten). A run marked finished (``finished.json``) is reported
+finished, unless ``--train.iterations`` asks for more.
 """
 
 from __future__ import annotations
@@ -20,14 +25,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mage_jax import config as C
+from mage_jax.training.run import finished_iteration
 
 EXIT_CONFIG_ERROR = 2
+RESUMABLE_KEYS = ("train.iterations", "train.eval_every", "checkpoint.every", "checkpoint.keep", "logging.")
+"""What ``--resume`` may change: how long the run goes on, its evaluation and checkpoint cadences and its
+logging. Everything else (shapes, data, algorithm) is the run's and stays as saved."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +85,14 @@ class ConfigErrorParser(argparse.ArgumentParser):
 
 
 def _parser(prog: str, description: str, presets: Mapping[str, Preset],
-            default_preset: str) -> ConfigErrorParser:
+            default_preset: str, extra: Sequence[tuple[str, Mapping[str, Any]]] = ()) -> ConfigErrorParser:
     p = ConfigErrorParser(prog=prog, description=description, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Config keys take --KEY VALUE or --set KEY=VALUE, e.g. --optim.lr 1e-3 "
                        "(list them with --list-keys). Presets: "
                        + "; ".join(f"{k}: {v.description}" for k, v in presets.items()))
+    for flag, options in extra:  # the entry point's own flags, listed by --help
+        p.add_argument(flag, **options)
     p.add_argument("--preset", choices=sorted(presets), default=None,
                    help=f"named preset (default: {default_preset})")
     p.add_argument("--config", default=None, help="start from this config.json instead of a preset")
@@ -92,6 +104,23 @@ def _parser(prog: str, description: str, presets: Mapping[str, Preset],
                    help="continue the run in --run-dir from its latest checkpoint")
     p.add_argument("--list-keys", action="store_true", help="print every config key and exit")
     return p
+
+
+def _show(value: Any) -> str:
+    return json.dumps(C.to_dict(value) if dataclasses.is_dataclass(value) else value, default=str)
+
+
+def format_keys(preset_cfg: C.ExperimentConfig | None = None, preset: str | None = None) -> str:
+    """Every config key: its type, default, the value of ``preset`` and its docstring (``--list-keys``)."""
+    lines = []
+    for info in C.describe_keys():
+        head = f"--{info.key}  ({info.type_name})  default: {_show(info.default)}"
+        if preset_cfg is not None:
+            head += f"  preset {preset}: {_show(C.get_key(preset_cfg, info.key))}"
+        lines.append(head)
+        if info.doc:
+            lines.append(f"      {info.doc}")
+    return "\n".join(lines)
 
 
 def split_dotted(argv: Sequence[str]) -> tuple[list[tuple[str, str]], list[str]]:
@@ -128,20 +157,27 @@ def parse_command_line(
     presets: Mapping[str, Preset],
     default_preset: str,
     description: str = "",
+    prog: str | None = None,
+    extra: Sequence[tuple[str, Mapping[str, Any]]] = (),
 ) -> tuple[C.ExperimentConfig, RunOptions] | None:
     """Build and validate the config of a command line; ConfigError on any problem.
 
-    Returns None when the command only asked for information (``--list-keys``, ``--help``).
+    ``prog`` names the module (default ``python -m experiments.<experiment>``); ``extra`` are the entry
+    point's own flags (already read by it), so that ``--help`` lists them. Returns None when the command
+    only asked for information (``--list-keys``, ``--help``, ``--resume`` of a finished run).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     dotted, rest = split_dotted(argv)
-    parser = _parser(f"python -m experiments.{experiment}", description, presets, default_preset)
+    parser = _parser(prog or f"python -m experiments.{experiment}", description, presets, default_preset,
+                     extra)
     try:
         args = parser.parse_args(rest)
     except SystemExit:  # --help
         return None
     if args.list_keys:
-        print("\n".join(C.all_keys()))
+        name = args.preset or default_preset
+        preset_cfg = C.apply_overrides(C.ExperimentConfig(name=experiment), presets[name].overrides)
+        print(format_keys(preset_cfg, name))
         return None
     overrides: list[tuple[str, str]] = [C.parse_assignment(s) for s in args.sets] + dotted
     if args.model_path is not None:
@@ -155,7 +191,9 @@ def parse_command_line(
             raise C.ConfigError(f"--resume: {run_dir!r} holds no {C.CONFIG_FILE}; nothing to resume")
         if args.preset is not None or args.config is not None:
             raise C.ConfigError("--resume continues the run's saved config; drop --preset / --config")
-        cfg = C.load(run_dir)
+        saved = C.load(run_dir)
+        cfg = C.apply_overrides(saved, _ordered(overrides))
+        _check_resume_overrides(saved, cfg)
         preset_name = None
     else:
         preset_name = args.preset or default_preset
@@ -166,18 +204,72 @@ def parse_command_line(
             preset_name = None
         else:
             cfg = C.apply_overrides(C.ExperimentConfig(name=experiment), presets[preset_name].overrides)
-    cfg = C.apply_overrides(cfg, dict(overrides) if len({k for k, _ in overrides}) == len(overrides)
-                            else _ordered(overrides))
+        cfg = C.apply_overrides(cfg, _ordered(overrides))
     if run_dir is None:
         run_dir = cfg.logging.run_dir or default_run_dir(experiment)
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir=run_dir))
     if preset_name is not None:
         presets[preset_name].check(preset_name, cfg)
+    check_consistent(cfg, preset_name)
     C.validate(cfg)
+    check_run_dir(run_dir)
     if not args.resume and os.path.exists(os.path.join(run_dir, C.CONFIG_FILE)):
         raise C.ConfigError(f"run directory {run_dir!r} already holds a run; pass --resume to continue it "
                             "or choose another --run-dir")
+    if args.resume:
+        done = finished_iteration(run_dir)
+        if done is not None and cfg.train.iterations <= done:
+            print(f"run {run_dir!r} finished at iteration {done} (see its summary.json); nothing to resume. "
+                  f"Raise --train.iterations to train it further.", file=sys.stderr)
+            return None
     return cfg, RunOptions(preset=preset_name, run_dir=run_dir, resume=bool(args.resume))
+
+
+def _check_resume_overrides(saved: C.ExperimentConfig, cfg: C.ExperimentConfig) -> None:
+    """One ConfigError naming the first changed key that ``--resume`` may not change."""
+    before, after = _flat(C.to_dict(saved)), _flat(C.to_dict(cfg))
+    for key, value in after.items():
+        if key != "logging.run_dir" and before.get(key) != value and not key.startswith(RESUMABLE_KEYS):
+            raise C.ConfigError(
+                f"--resume cannot change {key} (saved {before.get(key)!r}, asked {value!r}); a resumed run "
+                f"may change only {', '.join(k.rstrip('.') for k in RESUMABLE_KEYS)}; start a new run with "
+                "another --run-dir for the rest")
+
+
+def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping) and prefix + k not in _DICT_KEYS:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+_DICT_KEYS = frozenset(C.all_keys())
+
+
+def check_consistent(cfg: C.ExperimentConfig, preset: str | None = None) -> None:
+    """One ConfigError for settings that each are valid but make no sense together."""
+    named = f"preset {preset!r}" if preset else "this config"
+    if cfg.model.path is not None and cfg.tokenizer.kind == "word_level":
+        raise C.ConfigError(
+            f"{named} trains a from-scratch model with its own word-level tokenizer, but --model-path loads "
+            "pretrained weights that need their own tokenizer; use --preset small or paper with "
+            "--model-path (or set --tokenizer.kind hf)")
+
+
+def check_run_dir(run_dir: str) -> None:
+    """One ConfigError unless ``run_dir`` is (or can be made) a writable folder."""
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise C.ConfigError(f"--run-dir {run_dir!r} is a file, not a folder")
+    parent = os.path.abspath(run_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise C.ConfigError(f"--run-dir {run_dir!r} cannot be created: {parent!r} is a file")
+    if not os.access(parent, os.W_OK):
+        raise C.ConfigError(f"--run-dir {run_dir!r} cannot be written: no write permission in {parent!r}")
 
 
 def _ordered(pairs: list[tuple[str, str]]) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Evaluation only: a trained checkpoint, or a local Hugging Face model zero-shot.
 
-    python -m experiments.evaluate --checkpoint runs/kuhn_poker/RUN [--step K] [--out DIR]
+    python -m experiments.evaluate --checkpoint runs/kuhn_poker/RUN [--step K] [--out-dir DIR]
     python -m experiments.evaluate --model-path /models/Qwen3-4B --env kuhn_poker --method reflexion \\
         --preset paper
     python -m experiments.evaluate --model-path /models/Qwen3-4B --env tic_tac_toe --method react
@@ -8,7 +8,8 @@
 ``--checkpoint`` takes a run directory (its ``config.json``, tokenizer and latest checkpoint, or
 ``--step K``) and evaluates the trained parameters with the run's evaluation protocol: held-out
 instances of the training pool, the held-out opponent, and for Kuhn Poker the oracle references on
-the same meta-episodes. Results go to ``--out`` (default ``<run>/eval-<timestamp>``): ``summary.json``
+the same meta-episodes. Results go to ``--out-dir``
+(alias ``--out``) (default ``<run>/eval-<timestamp>``): ``summary.json``
 and ``metrics.jsonl``; the table is printed.
 
 ``--model-path`` evaluates a pretrained model without training: ``--method reflexion`` plays
@@ -33,7 +34,7 @@ import jax
 
 from experiments.baselines import method as get_method
 from experiments.baselines import method_config, method_protocol
-from experiments.common import EXIT_CONFIG_ERROR, ConfigErrorParser, split_dotted
+from experiments.common import EXIT_CONFIG_ERROR, ConfigErrorParser, format_keys, split_dotted
 from experiments.environments import environment
 from mage_jax import config as C
 from mage_jax.evaluation.evaluator import EvalProtocol
@@ -49,14 +50,18 @@ def _parser() -> argparse.ArgumentParser:
     p = ConfigErrorParser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0],
                allow_abbrev=False)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="a run directory with config.json and checkpoints/")
+    src.add_argument("--checkpoint", "--run-dir", dest="checkpoint",
+                     help="a run directory with config.json and checkpoints/")
     src.add_argument("--model-path", help="a local Hugging Face model folder (zero-shot)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--env", default="kuhn_poker", help="environment (with --model-path)")
     p.add_argument("--method", choices=ZERO_SHOT_METHODS, default="reflexion", help="zero-shot baseline")
     p.add_argument("--preset", default="small", help="scale of the zero-shot config (small or paper)")
-    p.add_argument("--out", default=None, help="output directory")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out-dir", "--out", dest="out_dir", default=None,
+                   help="output directory (default <run>/eval-<timestamp>, zero-shot runs/<env>_<method>/)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable); --KEY VALUE works too")
+    p.add_argument("--list-keys", action="store_true", help="print every config key and exit")
     return p
 
 
@@ -101,19 +106,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         dotted, rest = split_dotted(argv)
+        if "--list-keys" in rest:
+            print(format_keys())
+            return 0
         try:
             args = _parser().parse_args(rest)
         except SystemExit:  # --help
             return 0
         overrides = dict([C.parse_assignment(s) for s in args.sets] + dotted)
         if args.checkpoint:
-            outcome = evaluate_checkpoint(args.checkpoint, step=args.step, out_dir=args.out,
+            outcome = evaluate_checkpoint(args.checkpoint, step=args.step, out_dir=args.out_dir,
                                           overrides=overrides)
         else:
             if not os.path.isdir(args.model_path):
                 raise C.ConfigError(f"--model-path {args.model_path!r} is not a folder")
             outcome = evaluate_zero_shot(args.model_path, env=args.env, method=args.method,
-                                         preset=args.preset, out_dir=args.out, overrides=overrides)
+                                         preset=args.preset, out_dir=args.out_dir, overrides=overrides)
     except C.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

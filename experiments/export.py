@@ -1,6 +1,6 @@
 """Export a trained checkpoint as a Hugging Face model folder.
 
-    python -m experiments.export --run-dir runs/kuhn_poker/RUN [--step K] --out DIR
+    python -m experiments.export --run-dir runs/kuhn_poker/RUN [--step K] --out-dir DIR
 
 The folder holds ``config.json`` (with the eos / pad / bos token ids), ``generation_config.json``,
 the weights as safetensors and the run's tokenizer files, so that
@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                           allow_abbrev=False)
     p.add_argument("--run-dir", required=True, help="a training run directory (config.json, checkpoints/)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest intact one)")
-    p.add_argument("--out", required=True, help="the new Hugging Face model folder (must not hold files)")
+    p.add_argument("--out-dir", "--out", dest="out_dir", required=True,
+                   help="the new Hugging Face model folder (must not hold files)")
     return p
 
 
@@ -45,7 +46,7 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None) -> Export
     if not os.path.isfile(os.path.join(run_dir, C.CONFIG_FILE)):
         raise C.ConfigError(f"--run-dir {run_dir!r} holds no {C.CONFIG_FILE}; pass a training run directory")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise C.ConfigError(f"--out {out_dir!r} already exists and is not an empty folder")
+        raise C.ConfigError(f"--out-dir {out_dir!r} already exists and is not an empty folder")
     cfg = C.load(run_dir)
     parts = build_parts(cfg, run_dir)  # the run's own tokenizer and model shapes
     params, meta = parts.restore_params(checkpoint_dir(cfg, run_dir), step)
@@ -64,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = _parser().parse_args(argv)
         except SystemExit:  # --help
             return 0
-        result = export_run(args.run_dir, args.out, step=args.step)
+        result = export_run(args.run_dir, args.out_dir, step=args.step)
     except C.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

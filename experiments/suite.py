@@ -272,7 +272,8 @@ def suite_parser(prog: str, description: str, *, variants: Sequence[str], envs: 
     p.add_argument("--preset", default="tiny", help="tiny (CPU), small or paper (need --model-path)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0,1,2 tiny; 0 otherwise)")
     p.add_argument("--variants", default=",".join(variants), help=f"subset of {','.join(variants)}")
-    p.add_argument("--out-dir", default=None, help="where the runs go (default runs/<suite>/<env>)")
+    p.add_argument("--out-dir", "--out", dest="out_dir", default=None,
+                   help="where the runs go (default runs/<suite>/<env>)")
     p.add_argument("--figure", default=None, help="also write the plot here (e.g. docs/figures/x.png)")
     p.add_argument("--model-path", default=None, help="local Hugging Face folder (= --model.path)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")

@@ -111,16 +111,23 @@ def _main(argv: Sequence[str] | None) -> int:
     dotted, rest = split_dotted(argv)
     p = ConfigErrorParser(prog="python -m experiments.table1", description="Table 1: methods x environments",
                 allow_abbrev=False)
-    p.add_argument("--envs", default=",".join(DEFAULT_ENVS))
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--seeds", default="0")
-    p.add_argument("--out-dir", default=os.path.join("runs", "table1"))
+    p.add_argument("--envs", default=",".join(DEFAULT_ENVS),
+                   help=f"comma-separated environments (default: {','.join(DEFAULT_ENVS)})")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated methods (default: {','.join(METHODS)})")
+    p.add_argument("--preset", default="tiny", help="tiny (CPU), small or paper (need --model-path)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
+    p.add_argument("--out-dir", "--out", dest="out_dir", default=os.path.join("runs", "table1"),
+                   help="where the runs and table.md go (default runs/table1)")
     p.add_argument("--figures-dir", default=None, help="also copy the plots here (e.g. docs/figures)")
-    p.add_argument("--model-path", default=None)
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--collect-only", action="store_true")
-    args = p.parse_args(rest)
+    p.add_argument("--model-path", default=None, help="local Hugging Face folder (= --model.path)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key of every run (repeatable); --KEY VALUE works too")
+    p.add_argument("--collect-only", action="store_true", help="tabulate finished runs, start nothing")
+    try:
+        args = p.parse_args(rest)
+    except SystemExit:  # --help
+        return 0
     envs = _csv(args.envs, list(ENVIRONMENTS), "--envs")
     methods = _csv(args.methods, list(METHODS), "--methods")
     try:

@@ -18,7 +18,9 @@ entry points print it and exit non-zero before writing anything.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import json
 import os
 import types
@@ -246,8 +248,13 @@ class LoggingConfig:
     wandb: bool = False
     wandb_project: str = "mage-jax"
     progress: bool = True
-    """tqdm progress bars during training and evaluation."""
+    """tqdm progress bars during training and evaluation (and inside a long rollout: rows generated)."""
     plots: bool = True
+    samples: int = 2
+    """Meta-episodes per evaluation split whose prompts, responses and reflections are written to
+    ``samples.jsonl`` (and TensorBoard text when on); 0: none."""
+    samples_every: int = 10
+    """Also write the samples of the training rollout every k iterations; 0: never."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,6 +441,56 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
 def all_keys() -> list[str]:
     """Every dotted key an override may set."""
     return _all_keys(ExperimentConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyInfo:
+    """One config key as ``--list-keys`` shows it."""
+
+    key: str
+    type_name: str
+    default: Any
+    doc: str
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings (the string literal under a field) of a dataclass, by field name."""
+    try:
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+    except (OSError, TypeError, IndexError, AttributeError):
+        return {}
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _key_infos(cls: type, default: Any, prefix: str) -> list[KeyInfo]:
+    out: list[KeyInfo] = []
+    hints, docs = _hints(cls), _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        tp, value = hints[f.name], getattr(default, f.name)
+        if dataclasses.is_dataclass(tp):
+            out += _key_infos(tp, value, prefix + f.name + ".")
+        else:
+            shown = to_dict(value) if dataclasses.is_dataclass(value) else value
+            out.append(KeyInfo(prefix + f.name, _type_name(tp), shown, docs.get(f.name, "")))
+    return out
+
+
+def describe_keys() -> list[KeyInfo]:
+    """Every key with its type, its default in ``ExperimentConfig()`` and its field docstring."""
+    return _key_infos(ExperimentConfig, ExperimentConfig(), "")
+
+
+def get_key(cfg: Any, key: str) -> Any:
+    """The value of dotted ``key`` in ``cfg``."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def _set(cfg: Any, parts: list[str], value: Any, full: str) -> Any:

@@ -8,18 +8,20 @@ file of a resumed run reads exactly like the file of an uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 WANDB_ID_FILE = "wandb_id.txt"
 
 
@@ -63,11 +65,14 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return records
 
 
-def truncate_after(path: str, iteration: int) -> None:
-    """Keep only the records with ``iteration <= iteration`` (used when resuming from a checkpoint)."""
+def truncate_after(path: str, iteration: int, *, keep_evaluations: bool = True) -> None:
+    """Keep only the records with ``iteration <= iteration`` (used when resuming from a checkpoint);
+    ``keep_evaluations=False`` also drops the evaluation records of ``iteration`` itself (the resumed
+    run evaluates it again: its final evaluation, when a kill came before the run was marked done)."""
     if not os.path.exists(path):
         return
-    kept = [r for r in read_jsonl(path) if int(r.get("iteration", 0)) <= iteration]
+    kept = [r for r in read_jsonl(path) if int(r.get("iteration", 0)) < iteration
+            or (int(r.get("iteration", 0)) == iteration and (keep_evaluations or r.get("split") == "train"))]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         for r in kept:
@@ -87,14 +92,17 @@ class MetricsLogger:
         wandb_project: str = "mage-jax",
         config: Mapping[str, Any] | None = None,
         resume_iteration: int | None = None,
+        keep_evaluations: bool = True,
     ):
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
-        if resume_iteration is not None:
-            truncate_after(self.path, resume_iteration)
-        elif os.path.exists(self.path):
-            os.remove(self.path)
+        self.samples_path = os.path.join(run_dir, SAMPLES_FILE)
+        for path in (self.path, self.samples_path):
+            if resume_iteration is not None:
+                truncate_after(path, resume_iteration, keep_evaluations=keep_evaluations)
+            elif os.path.exists(path):
+                os.remove(path)
         self._file = open(self.path, "a")  # noqa: SIM115 (open for the logger's lifetime)
         self._tb = _open_tensorboard(run_dir) if tensorboard else None
         self._wandb = _open_wandb(run_dir, wandb_project, config) if wandb else None
@@ -113,6 +121,17 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({f"{split}/{k}": v for k, v in scalars.items()}, step=int(iteration))
         return record
+
+    def log_samples(self, iteration: int, samples: Sequence[Any], *, split: str, text: str) -> None:
+        """Append sampled model calls (dataclasses, ``evaluation.samples.Sample``) to ``samples.jsonl``,
+        one record each, and ``text`` (their markdown) to TensorBoard when on."""
+        with open(self.samples_path, "a") as f:
+            for s in samples:
+                record = {"split": split, "iteration": int(iteration), **dataclasses.asdict(s)}
+                f.write(json.dumps(to_jsonable(record)) + "\n")
+        if self._tb is not None:
+            self._tb.add_text(f"{split}/samples", text, int(iteration))
+            self._tb.flush()
 
     def close(self) -> None:
         if not self._file.closed:

@@ -34,6 +34,7 @@ import numpy as np
 from mage_jax import config as C
 from mage_jax.evaluation.metrics import compute_metrics
 from mage_jax.evaluation.oracle import KuhnMetaEpisode, kuhn_oracle
+from mage_jax.evaluation.samples import Sample, sample_rows
 from mage_jax.progress import progress_bar
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutResult, RunnerConfig
 from mage_jax.rollout.policy import Generation, GenerationRequest, Policy
@@ -97,6 +98,8 @@ class SplitResult:
 
     metrics: dict[str, Any]
     reference: dict[str, Any] | None
+    samples: tuple[Sample, ...] = ()
+    """Decoded calls of the split's first ``logging.samples`` meta-episodes."""
 
 
 class EvalParts(Protocol):
@@ -245,12 +248,15 @@ class Evaluator:
                 result = runner.run(tasks[start:start + chunk], policy, training=False)
                 outcomes += result.outcomes
                 rows += result.rows
+                if c_index == 0:
+                    samples = sample_rows(result.rows, getattr(self.parts, "tokenizer", None),
+                                          self.cfg.logging.samples)
                 bar.update(len(result.outcomes))
                 bar.set_postfix(success=f"{np.mean([any(o.won) for o in outcomes]):.3f}",
                                 payoff=f"{np.mean([o.payoff[-1] for o in outcomes]):.3f}")
             bar.close()
             metrics = compute_metrics(outcomes, num_episodes=runner.config.num_episodes, rows=rows)
-            out[name] = SplitResult(metrics, self.reference(name, tasks, runner))
+            out[name] = SplitResult(metrics, self.reference(name, tasks, runner), samples)
         return out
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from mage_jax.evaluation import plots
 from mage_jax.evaluation.evaluator import SplitResult
 from mage_jax.evaluation.metrics import flatten_metrics
+from mage_jax.evaluation.samples import render_markdown
 from mage_jax.logging import METRICS_FILE, MetricsLogger, to_jsonable
 
 SUMMARY_FILE = "summary.json"
@@ -31,6 +32,8 @@ def log_evaluation(logger: MetricsLogger, iteration: int, results: Mapping[str, 
     """One metrics-log record per split (flat keys such as ``success@2``, ``by_opponent/cfr/payoff@0``)."""
     for split, block in results.items():
         logger.log(iteration, flatten_metrics(block.metrics), split=split)
+        if block.samples:
+            logger.log_samples(iteration, block.samples, split=split, text=render_markdown(block.samples))
 
 
 def build_summary(*, experiment: str, iterations: int, run_dir: str, model_config: Any,
@@ -115,6 +118,10 @@ def _fmt(x: Any, signed: bool = False) -> str:
     return f"{x:+.3f}" if signed else f"{x:.3f}"
 
 
+def _fmt_ratio(x: Any) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
 ORACLE_LEGEND = (
     "ceiling = winnable share; bestfix success = best pure non-adaptive strategy by wins, bestfix payoff = "
     "best by payoff; bound = best adaptive payoff (oracle). Payoff in chips.\nAll references are exact "
@@ -138,8 +145,9 @@ def results_table(summary: Mapping[str, Any], titles: Mapping[str, str] | None =
         if len(metrics.get("by_opponent", {})) > 1:
             for name, sub in metrics["by_opponent"].items():
                 groups.append((name, sub, (ref.get("by_opponent") or {}).get(name) or {}))
-        lines.append(f"{'opponent':<14}{'k':>2}  {'success':>8}{'draw':>8}{'payoff':>9}   |  reference: "
-                     f"{'rnd succ':>8}{'ceiling':>8}{'bestfix':>8}{'rnd pay':>9}{'bestfix':>9}{'bound':>9}")
+        lines.append(f"{'opponent':<14}{'k':>2}  {'success':>8}{'draw':>8}{'payoff':>9}{'valid':>7}   |  "
+                     f"reference: {'rnd succ':>8}{'ceiling':>8}{'bestfix':>8}"
+                     f"{'rnd pay':>9}{'bestfix':>9}{'bound':>9}")
         for name, sub, r in groups:
             curves = sub["curves"]
             for k in range(metrics["num_episodes"]):
@@ -149,10 +157,13 @@ def results_table(summary: Mapping[str, Any], titles: Mapping[str, str] | None =
 
                 lines.append(
                     f"{name:<14}{k:>2}  {_fmt(curves['success'][k]):>8}{_fmt(curves['draw'][k]):>8}"
-                    f"{_fmt(curves['payoff'][k], True):>9}   |  {'':>11}"
+                    f"{_fmt(curves['payoff'][k], True):>9}{_fmt_ratio(sub.get('valid_action_ratio')):>7}"
+                    f"   |  {'':>11}"
                     f"{_fmt(at('random_success')):>8}{_fmt(at('winnable')):>8}"
                     f"{_fmt(at('best_fixed_by_success_success')):>8}{_fmt(at('random_payoff'), True):>9}"
                     f"{_fmt(at('best_fixed_payoff'), True):>9}{_fmt(at('adaptive_payoff_bound'), True):>9}")
+    lines.append("valid = share of the model's actions that were legal (timed-out episodes score 0, so read "
+                 "payoff next to it)")
     if oracle:
         lines.append(ORACLE_LEGEND)
     if "wall_seconds" in summary:

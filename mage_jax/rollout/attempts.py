@@ -11,7 +11,7 @@ meta-episode's restart keeps drawing from the opponent's stream.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mage_jax.rollout.meta_episode import MetaEpisodeOutcome, MetaEpisodeRunner, RolloutResult
@@ -48,13 +48,14 @@ class IndependentAttemptsRunner:
         """The same attempts on an environment with ``extra`` merged into its options."""
         return IndependentAttemptsRunner(self.base.with_env_options(extra), self.config.num_episodes)
 
-    def run(self, tasks: Sequence[Task], policy: Policy, *, training: bool = False) -> RolloutResult:
+    def run(self, tasks: Sequence[Task], policy: Policy, *, training: bool = False,
+            progress: Callable[[int], None] | None = None) -> RolloutResult:
         n, attempts = len(tasks), self.config.num_episodes
         copies = [
             dataclasses.replace(t, meta_episode=a * n + i, group=a * n + i)
             for a in range(attempts) for i, t in enumerate(tasks)
         ]
-        result = self.base.run(copies, policy, training=training)
+        result = self.base.run(copies, policy, training=training, progress=progress)
         by_id = {o.meta_episode: o for o in result.outcomes}
         outcomes, kept = [], set()
         for i, task in enumerate(tasks):

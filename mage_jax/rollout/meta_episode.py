@@ -178,6 +178,7 @@ class MetaEpisodeRunner:
         self.env_options = dict(env_options or {})
         self.config = config or RunnerConfig()
         self._pool: list[TextEnv] = []
+        self._progress: Callable[[int], None] | None = None
         make_env(env_name, **self.env_options)  # fail early and clearly on a bad name or options
 
     def with_env_options(self, extra: Mapping[str, Any]) -> MetaEpisodeRunner:
@@ -191,9 +192,12 @@ class MetaEpisodeRunner:
         return self._pool[:count]
 
     # -- public --------------------------------------------------------------------------------
-    def run(self, tasks: Sequence[Task], policy: Policy, *, training: bool) -> RolloutResult:
-        """Play one meta-episode per task; returns every row and every outcome."""
+    def run(self, tasks: Sequence[Task], policy: Policy, *, training: bool,
+            progress: Callable[[int], None] | None = None) -> RolloutResult:
+        """Play one meta-episode per task; returns every row and every outcome. ``progress`` is called
+        with the number of rows each batched generation call produced (progress inside long work)."""
         cfg = self.config
+        self._progress = progress
         start = time.perf_counter()
         self._rows: list[Row] = []
         self._stats = {
@@ -437,6 +441,8 @@ class MetaEpisodeRunner:
         ]
         generations = policy.generate(requests)
         self._stats["generate_calls"] += 1
+        if self._progress is not None:
+            self._progress(len(generations))
         if len(generations) != len(requests):
             raise RuntimeError(
                 f"the policy returned {len(generations)} generations for {len(requests)} requests"

@@ -20,6 +20,8 @@ import numpy as np
 
 from mage_jax import config as C
 from mage_jax.algorithms import AdvantageConfig
+from mage_jax.envs.base import make_env
+from mage_jax.envs.two_player import TwoPlayerGameEnv
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.hf_loading import load_hf_params
@@ -120,6 +122,26 @@ def _env_runner(cfg: C.ExperimentConfig, config: RunnerConfig) -> MetaEpisodeRun
         raise C.ConfigError(f"env {cfg.env.name}: {err}") from None
 
 
+def check_environment(cfg: C.ExperimentConfig) -> None:
+    """One ConfigError unless ``cfg``'s environment accepts its options and every opponent name (the
+    pool's and the held-out one): checked before a run builds or writes anything."""
+    e = cfg.env
+    names = [*e.opponents, *([e.heldout_opponent] if e.heldout_opponent else [])]
+    try:
+        env = make_env(e.name, **env_options(cfg))
+        if names and not isinstance(env, TwoPlayerGameEnv):
+            raise C.ConfigError(
+                f"env {e.name} has no opponents, but env.opponents={','.join(e.opponents) or 'none'} and "
+                f"env.heldout_opponent={e.heldout_opponent}; set --env.opponents '' "
+                "--env.opponent_ratios '' --env.heldout_opponent none")
+        for name in names:
+            make_env(e.name, **{**env_options(cfg), "opponent": name})
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as err:
+        if isinstance(err, C.ConfigError):
+            raise
+        raise C.ConfigError(f"env {e.name}: {err}") from None
+
+
 def make_runner(cfg: C.ExperimentConfig, *, num_episodes: int, keep_text: bool = False) -> MetaEpisodeRunner:
     return _env_runner(cfg, runner_config(cfg, num_episodes=num_episodes, keep_text=keep_text))
 
@@ -140,11 +162,14 @@ def make_eval_runner(cfg: C.ExperimentConfig,
 def make_task_sampler(cfg: C.ExperimentConfig) -> TaskSampler:
     e, r = cfg.env, cfg.rollout
     opponents = dict(zip(e.opponents, e.opponent_ratios)) if e.opponents else None
-    return TaskSampler(TaskSamplerConfig(
-        num_tasks=r.num_tasks, group_size=r.group_size, opponents=opponents, grouping=e.grouping,
-        seats=e.seats if opponents else "first", seed=cfg.train.seed,
-        eval_seed=e.eval_seed,
-    ))
+    try:
+        return TaskSampler(TaskSamplerConfig(
+            num_tasks=r.num_tasks, group_size=r.group_size, opponents=opponents, grouping=e.grouping,
+            seats=e.seats if opponents else "first", seed=cfg.train.seed,
+            eval_seed=e.eval_seed,
+        ))
+    except ValueError as err:
+        raise C.ConfigError(f"env.opponents / env.opponent_ratios: {err}") from None
 
 
 def make_mesh(cfg: C.ExperimentConfig):
@@ -302,6 +327,7 @@ class RunParts:
 
 def build_parts(cfg: C.ExperimentConfig, run_dir: str | None, *, eval_mode: str = "meta") -> RunParts:
     """Build every part of the run of ``cfg`` (the tokenizer is kept in, or read from, ``run_dir``)."""
+    check_environment(cfg)
     mesh = make_mesh(cfg)
     task_sampler = make_task_sampler(cfg)
     eval_runner = make_eval_runner(cfg, eval_mode)

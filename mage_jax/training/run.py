@@ -9,10 +9,13 @@ write ``config.json``, ``experiment.json`` (the evaluation protocol), ``metrics.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -25,6 +28,9 @@ from mage_jax.training.assemble import RunParts, build_parts
 from mage_jax.training.trainer import Trainer
 
 PROTOCOL_FILE = "experiment.json"
+FINISHED_FILE = "finished.json"
+"""Written atomically after a run's final records and summary: the run is complete, and ``--resume``
+of it reruns nothing."""
 
 
 @dataclasses.dataclass
@@ -41,16 +47,53 @@ class RunOutcome:
         return self.summary["status"]
 
 
-def _prepare(cfg: C.ExperimentConfig, protocol: EvalProtocol) -> str:
-    run_dir = cfg.logging.run_dir
-    if run_dir is None:
+def _run_dir(cfg: C.ExperimentConfig) -> str:
+    if cfg.logging.run_dir is None:
         raise C.ConfigError("logging.run_dir must be set before a run")
+    return cfg.logging.run_dir
+
+
+@contextlib.contextmanager
+def _nothing_left_on_error(run_dir: str) -> Iterator[None]:
+    """Remove what a failed build created in ``run_dir``, so that a bad config leaves nothing behind
+    and the corrected command is not refused as a second run in the same directory."""
+    existed = os.path.isdir(run_dir)
+    before = set(os.listdir(run_dir)) if existed else set()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        elif os.path.isdir(run_dir):
+            for name in set(os.listdir(run_dir)) - before:
+                path = os.path.join(run_dir, name)
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        raise
+
+
+def _write_run_files(cfg: C.ExperimentConfig, protocol: EvalProtocol, run_dir: str) -> None:
+    """``config.json`` and ``experiment.json``: written once the run is built (and restored)."""
     C.save(cfg, run_dir)
     path = os.path.join(run_dir, PROTOCOL_FILE)
     with open(path + ".tmp", "w") as f:
         json.dump(C.to_dict(protocol), f, indent=1)
     os.replace(path + ".tmp", path)
-    return run_dir
+
+
+def finished_iteration(run_dir: str) -> int | None:
+    """The final iteration of a completed run in ``run_dir`` (None: not completed)."""
+    try:
+        with open(os.path.join(run_dir, FINISHED_FILE)) as f:
+            return int(json.load(f)["iteration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _mark_finished(run_dir: str, iteration: int) -> None:
+    path = os.path.join(run_dir, FINISHED_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"iteration": iteration}, f)
+    os.replace(path + ".tmp", path)
 
 
 def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resume: bool = False,
@@ -58,9 +101,13 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
     """Train (or resume) the run of ``cfg``, evaluate it with ``protocol`` and report it."""
     start = time.perf_counter()
     protocol = protocol or EvalProtocol()
-    run_dir = _prepare(cfg, protocol)
-    parts = build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)
-    trainer = Trainer(parts, Evaluator(parts, protocol, progress=cfg.logging.progress), resume=resume)
+    run_dir = _run_dir(cfg)
+    with _nothing_left_on_error(run_dir):
+        parts = build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)
+        trainer = Trainer(parts, Evaluator(parts, protocol, progress=cfg.logging.progress), resume=resume)
+    _write_run_files(cfg, protocol, run_dir)
+    with contextlib.suppress(FileNotFoundError):  # a finished run trained further
+        os.remove(os.path.join(run_dir, FINISHED_FILE))
     setup_seconds = time.perf_counter() - start
     result = trainer.run()
     if result.final is None:
@@ -73,6 +120,7 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
         setup_seconds=setup_seconds,
     )
     write_summary(run_dir, summary)
+    _mark_finished(run_dir, result.iteration)
     return RunOutcome(summary, parts, trainer)
 
 
@@ -86,8 +134,10 @@ def evaluate(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, e
     """
     start = time.perf_counter()
     protocol = protocol or EvalProtocol()
-    run_dir = _prepare(cfg, protocol)
-    parts = parts or build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)
+    run_dir = _run_dir(cfg)
+    with _nothing_left_on_error(run_dir):
+        parts = parts or build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)
+    _write_run_files(cfg, protocol, run_dir)
     evaluator = Evaluator(parts, protocol, progress=cfg.logging.progress)
     results = evaluator.evaluate(parts.init_params if params is None else params,
                                  jax.random.key(cfg.train.seed) if key is None else key, heldout=True)

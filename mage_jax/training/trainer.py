@@ -37,8 +37,9 @@ from mage_jax.algorithms import compute_advantages
 from mage_jax.evaluation.evaluator import Evaluator, SplitResult
 from mage_jax.evaluation.metrics import compute_metrics
 from mage_jax.evaluation.report import log_evaluation
+from mage_jax.evaluation.samples import render_markdown, sample_rows
 from mage_jax.logging import MetricsLogger
-from mage_jax.progress import progress_bar
+from mage_jax.progress import NoBar, progress_bar
 from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices, pack_rows, pick_bucket
 from mage_jax.training.assemble import (
     RunParts,
@@ -74,6 +75,7 @@ class Trainer:
         self.cfg, self.parts, self.evaluator = cfg, parts, evaluator
         self.run_dir = cfg.logging.run_dir
         self._stop = threading.Event()
+        self._bar: Any = NoBar()
         self.step = parts.train_step()
         self.state = self.step.init_state(parts.init_params)
         # The frozen reference for the KL term is the initial model (a copy: the train state is donated).
@@ -95,6 +97,7 @@ class Trainer:
             self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
             wandb_project=cfg.logging.wandb_project, config=C.to_dict(cfg),
             resume_iteration=self.start_iteration if resume else None,
+            keep_evaluations=self.start_iteration < cfg.train.iterations,  # else its final one reruns
         )
 
     # -- one iteration ---------------------------------------------------------------------------------
@@ -105,8 +108,12 @@ class Trainer:
         tasks = parts.task_sampler.sample_train(iteration - 1)
         key = jax.random.fold_in(self.base_key, iteration)
         policy = parts.policy(self.state.params, jax.random.fold_in(key, 0), evaluation=False)
-        result = parts.train_runner.run(tasks, policy, training=True)
+        result = parts.train_runner.run(tasks, policy, training=True, progress=self._rows_progress(iteration))
         t_rollout = time.perf_counter() - t0
+        every = cfg.logging.samples_every
+        if every > 0 and iteration % every == 0:
+            samples = sample_rows(result.rows, parts.tokenizer, cfg.logging.samples)
+            self.logger.log_samples(iteration, samples, split="train", text=render_markdown(samples))
 
         mb, buckets = cfg.optim.mini_batch_rows, self.length_buckets
         packed = pack_rows(result.rows, row_bucket=mb, length_buckets=buckets, pad_id=parts.tokenizer.pad_id)
@@ -187,6 +194,18 @@ class Trainer:
         out["payoff@last"] = curves["payoff"][-1]
         return out
 
+    def _rows_progress(self, iteration: int) -> Callable[[int], None] | None:
+        """Progress inside the rollout of ``iteration`` on the bar: rows generated so far."""
+        if not self.cfg.logging.progress:
+            return None
+        done = [0]
+
+        def report(rows: int) -> None:
+            done[0] += rows
+            self._bar.set_postfix_str(f"iteration {iteration}: rollout, {done[0]} rows generated")
+
+        return report
+
     # -- cadences ----------------------------------------------------------------------------------------
     def _checkpoint(self, iteration: int) -> None:
         meta = {
@@ -225,8 +244,8 @@ class Trainer:
         cfg = self.cfg
         total = cfg.train.iterations
         restore_signal = self._install_sigterm()
-        bar = progress_bar(total=total, desc="train", enabled=cfg.logging.progress,
-                           initial=self.start_iteration)
+        bar = self._bar = progress_bar(total=total, desc="train", enabled=cfg.logging.progress,
+                                       initial=self.start_iteration)
         last_eval: dict[str, SplitResult] | None = None
         iteration = self.start_iteration
         status = "finished"

@@ -75,7 +75,7 @@ def test_export_of_the_latest_step_writes_a_complete_folder(trained_run, tmp_pat
 @pytest.mark.parametrize("case, message", [
     ("missing_run", "error: --run-dir '{run}' holds no config.json"),
     ("missing_step", "error: no checkpoint of step 7 in"),
-    ("occupied_out", "error: --out '{out}' already exists and is not an empty folder"),
+    ("occupied_out", "error: --out-dir '{out}' already exists and is not an empty folder"),
 ])
 def test_export_problems_are_one_error_line(trained_run, tmp_path, capsys, case, message):
     run = str(tmp_path / "nowhere") if case == "missing_run" else str(trained_run)

@@ -128,6 +128,13 @@ def test_reflection_rows_come_only_after_lost_episodes_that_have_a_next_episode(
     assert result.outcomes[2].reflections == ["note-2-1", "note-2-2"]
 
 
+def test_the_progress_callback_hears_the_rows_of_every_generate_call():
+    policy, heard = scripted(wins_at({0: 1, 3: 1})), []
+    result = runner(num_episodes=2).run(tasks_for([0, 1, 2, 3], group_size=2), policy, training=True,
+                                        progress=heard.append)
+    assert heard == [len(call) for call in policy.calls] and sum(heard) == len(result.rows)
+
+
 def test_every_turn_is_one_batched_generate_call_over_all_active_meta_episodes():
     policy = scripted(wins_at({0: 1, 3: 1}))
     result = runner(num_episodes=2).run(tasks_for([0, 1, 2, 3], group_size=2), policy, training=True)
