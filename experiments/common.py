@@ -12,7 +12,9 @@ Every experiment module (``python -m experiments.<name>``) accepts the same flag
     --list-keys              print every config key and exit
 
 Every problem with the command line or the resulting config is reported as ONE line on stderr
-(``error: ...``) with exit status 2, before anything is written.
+(``error: ...``) with exit status 2, before anything is written. Exit status of a run: 0 finished;
+3 stopped because training cannot make progress (one ``error:`` line); 75 interrupted by SIGTERM or
+Ctrl-C (checkpoint saved, the ``--resume`` command printed); 130 a second Ctrl-C (nothing saved).
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mage_jax import config as C
+from mage_jax.training.trainer import TrainingStopped
 
 EXIT_CONFIG_ERROR = 2
+EXIT_TRAINING_STOPPED = 3
+"""The run stopped because it cannot make progress (``TrainingStopped``: updates keep being skipped, or
+an iteration has no valid row); one ``error:`` line names the cause and the last checkpoint."""
+EXIT_INTERRUPTED = 75
+"""SIGTERM / SIGINT: a checkpoint was saved and the exact ``--resume`` command printed (EX_TEMPFAIL: a
+scheduler may simply run that command again). A second Ctrl-C exits at once with 130, saving nothing."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,4 +216,7 @@ def run_cli(
     except C.ConfigError as err:  # problems only visible once parts are built (e.g. mesh vs devices)
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except TrainingStopped as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_TRAINING_STOPPED
     return int(result) if isinstance(result, int) else 0

@@ -168,7 +168,7 @@ def make_optimizer(
     )
 
 
-def _all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
     """One boolean: every floating-point leaf of ``tree`` is finite (integer leaves always are)."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
@@ -293,8 +293,8 @@ class TrainStep:
         updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
         new_params = optax.apply_updates(state.params, updates)
         # An overflowing step (a huge learning rate) can turn finite gradients into non-finite parameters.
-        finite = (jnp.isfinite(metrics["loss"]) & _all_finite(grads) & _all_finite(new_params)
-                  & _all_finite(new_opt_state))
+        finite = (jnp.isfinite(metrics["loss"]) & all_finite(grads) & all_finite(new_params)
+                  & all_finite(new_opt_state))
 
         def keep_if_skipped(new, old):
             return jnp.where(finite, new, old)

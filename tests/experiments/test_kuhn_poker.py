@@ -10,6 +10,7 @@ import signal
 import pytest
 
 from experiments import evaluate, kuhn_poker
+from experiments.common import EXIT_INTERRUPTED
 from mage_jax import config as C
 from mage_jax.evaluation.report import results_table
 from mage_jax.logging import read_jsonl
@@ -70,11 +71,11 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(finished_run, tmp_path
     def stop_after_two(self, iteration):
         metrics = original(self, iteration)
         if iteration == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # handled: finish, checkpoint, exit cleanly
+            os.kill(os.getpid(), signal.SIGTERM)  # handled: checkpoint, exit with the interrupted status
         return metrics
 
     monkeypatch.setattr(trainer_module.Trainer, "train_iteration", stop_after_two)
-    assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == 0
+    assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == EXIT_INTERRUPTED
     assert not (run_dir / "summary.json").exists()
     assert [r["iteration"] for r in read_jsonl(str(run_dir))] == [1, 2]
     monkeypatch.setattr(trainer_module.Trainer, "train_iteration", original)
@@ -98,7 +99,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_finishes_identic
         return metrics
 
     monkeypatch.setattr(trainer_module.Trainer, "train_iteration", stop_after_two)
-    assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == 0
+    assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == EXIT_INTERRUPTED
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
     flip_bytes(run_dir / "checkpoints" / "2")
     monkeypatch.setattr(trainer_module.Trainer, "train_iteration", original)
@@ -125,6 +126,7 @@ def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):
     "argv, message",
     [
         (["--optim.lr", "-1"], "error: optim.lr must be > 0 (got -1.0)"),
+        (["--optim.lr", "inf"], "error: optim.lr must be a finite number (got inf)"),
         (["--set", "rollout.batch_size=30"],
          "error: rollout.group_size 4 does not divide rollout.batch_size 30"),
         (["--optim.lrr", "1"], "error: unknown config key 'optim.lrr'"),
