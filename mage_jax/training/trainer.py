@@ -249,6 +249,10 @@ class Trainer:
     def _check_rows(self, iteration: int, rows: Sequence[Any]) -> None:
         """Stop when no row of the iteration is valid: every advantage would be the same penalty and
         the run would train on nothing."""
+        if any(not np.isfinite(row.logprobs).all() for row in rows):
+            raise TrainingStopped(
+                f"sampling iteration {iteration} gave non-finite log-probabilities: the parameters diverged "
+                f"(lower optim.lr); {self._last_checkpoint_note()}")
         if not rows or any(row.valid for row in rows):
             return
         truncated = sum(row.truncated for row in rows)
