@@ -116,24 +116,25 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_finishes_identic
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_a_rollout_saves_promptly_exits_75_and_resumes_identically(
         finished_run, tmp_path, monkeypatch, capsys, sig):
-    """SIGTERM or Ctrl-C after the first turn of iteration 2's rollout: the iteration is abandoned at the
-    next turn, iteration 1's state is saved (checkpoint.every=0: nothing was on disk), the resume command
-    is printed, the exit status is 75; the resumed run writes the uninterrupted run's metrics."""
+    """SIGTERM or Ctrl-C as iteration 2's rollout starts: no further turn is generated (the smoke
+    rollout is one turn, so the signal lands just before it), iteration 1's state is saved
+    (checkpoint.every=0: nothing was on disk), the resume command is printed, the exit status is 75;
+    the resumed run writes the uninterrupted run's metrics."""
     _, reference_dir, args = finished_run
     run_dir = tmp_path / "run"
     original_iteration, original_generate = trainer_module.Trainer.train_iteration, LLMPolicy.generate
-    seen = {"iteration": 0, "sent": None}
+    seen = {"sent": None, "turns_after": 0}
 
     def train_iteration(self, iteration):
-        seen["iteration"] = iteration
+        if iteration == 2:
+            seen["sent"] = time.perf_counter()
+            os.kill(os.getpid(), sig)
         return original_iteration(self, iteration)
 
     def generate(self, requests):
-        out = original_generate(self, requests)
-        if seen["iteration"] == 2 and seen["sent"] is None:
-            seen["sent"] = time.perf_counter()
-            os.kill(os.getpid(), sig)
-        return out
+        if seen["sent"] is not None:
+            seen["turns_after"] += 1
+        return original_generate(self, requests)
 
     monkeypatch.setattr(trainer_module.Trainer, "train_iteration", train_iteration)
     monkeypatch.setattr(LLMPolicy, "generate", generate)
@@ -141,6 +142,7 @@ def test_a_signal_during_a_rollout_saves_promptly_exits_75_and_resumes_identical
     argv = [*args, "--set", "checkpoint.every=0", "--run-dir", str(run_dir)]
     assert kuhn_poker.main(argv) == EXIT_INTERRUPTED
     seconds = time.perf_counter() - seen["sent"]
+    assert seen["turns_after"] == 0, seen  # the rollout stopped at the next turn
     assert seconds < 20, seconds  # the rest of iteration 2 (a whole rollout and update) is not waited for
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["1"]
     assert [r["iteration"] for r in read_jsonl(str(run_dir))] == [1]
