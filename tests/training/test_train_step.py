@@ -200,9 +200,9 @@ def test_the_entropy_bonus_is_subtracted_from_the_loss(model, step):
     _, _, _, params = model
     state = step.init_state(jax.tree.map(jnp.copy, params))
     b = batch()
-    old = np.asarray(step.compute_logprobs(state.params, step.place_batch(b)))
+    old = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
     b.update(old_logprobs=old, ref_logprobs=old, advantages=np.zeros(R, np.float32))
-    _, metrics = step.update(state, step.place_batch(b))
+    _, metrics = step.update(state, step.place_batch(TrainBatch(**b)))
     assert float(metrics["policy_loss"]) == 0.0 and float(metrics["kl_loss"]) == 0.0
     assert float(metrics["entropy"]) > 0.1
     assert step.config.entropy_coef == 0.001
