@@ -30,7 +30,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from experiments.common import Preset, RunOptions, run_cli
+from experiments.common import EXIT_INTERRUPTED, Preset, RunOptions, run_cli
 from experiments.environments import ENVIRONMENTS, environment
 from experiments.presets import EnvExperiment
 from mage_jax import config as C
@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcome = run_method(known.env, known.method, cfg, resume=options.resume)
         if outcome.status != "finished":
             print(f"stopped; continue with --run-dir {options.run_dir} --resume", file=sys.stderr)
-            return 0
+            return EXIT_INTERRUPTED
         print(results_table(outcome.summary, env.titles))
         return 0
 

@@ -13,7 +13,9 @@ Every experiment module (``python -m experiments.<name>``) accepts the same flag
 
 Every problem with the command line or the resulting config is reported as ONE line on stderr
 (``error: ...``) with exit status 2, before anything is written; problems found while the run is
-built (``training.run``) are one line too and leave nothing behind.
+built (``training.run``) are one line too and leave nothing behind. Exit status of a run: 0 finished;
+3 stopped because training cannot make progress (one ``error:`` line); 75 interrupted by SIGTERM or
+Ctrl-C (checkpoint saved, the ``--resume`` command printed); 130 a second Ctrl-C (nothing saved).
 
 Resume: the saved config is the run's; only the keys of ``RESUMABLE_KEYS`` may change (anything else
 is one line, and nothing is rewritten). A run marked finished (``finished.json``) is reported
@@ -33,8 +35,15 @@ from typing import Any
 
 from mage_jax import config as C
 from mage_jax.training.run import finished_iteration
+from mage_jax.training.trainer import TrainingStopped
 
 EXIT_CONFIG_ERROR = 2
+EXIT_TRAINING_STOPPED = 3
+"""The run stopped because it cannot make progress (``TrainingStopped``: updates keep being skipped, or
+an iteration has no valid row); one ``error:`` line names the cause and the last checkpoint."""
+EXIT_INTERRUPTED = 75
+"""SIGTERM / SIGINT: a checkpoint was saved and the exact ``--resume`` command printed (EX_TEMPFAIL: a
+scheduler may simply run that command again). A second Ctrl-C exits at once with 130, saving nothing."""
 RESUMABLE_KEYS = ("train.iterations", "train.eval_every", "checkpoint.every", "checkpoint.keep", "logging.")
 """What ``--resume`` may change: how long the run goes on, its evaluation and checkpoint cadences and its
 logging. Everything else (shapes, data, algorithm) is the run's and stays as saved."""
@@ -299,4 +308,7 @@ def run_cli(
     except C.ConfigError as err:  # problems only visible once parts are built (e.g. mesh vs devices)
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except TrainingStopped as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_TRAINING_STOPPED
     return int(result) if isinstance(result, int) else 0

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from experiments.common import Preset, RunOptions, run_cli
+from experiments.common import EXIT_INTERRUPTED, Preset, RunOptions, run_cli
 from mage_jax import config as C
 from mage_jax.evaluation.evaluator import EvalProtocol
 from mage_jax.evaluation.report import results_table
@@ -223,7 +223,7 @@ class EnvExperiment:
                 print(f"stopped at iteration {outcome.summary.get('iteration')}; checkpoint saved. Continue "
                       f"with: python -m experiments.{self.name} --run-dir {options.run_dir} --resume",
                       file=sys.stderr)
-                return 0
+                return EXIT_INTERRUPTED
             print(results_table(outcome.summary, self.titles))
             return 0
 

@@ -22,6 +22,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import os
 import types
 import typing
@@ -214,6 +215,9 @@ class OptimConfig:
     """Mini-batches of rows of similar length (shuffled blocks): each needs only its own length bucket."""
     logprob_chunk: int = 512
     """Tokens per chunk in the log-prob computation (bounds the [chunk, vocab] logits buffer)."""
+    max_skipped_updates: int = 10
+    """Consecutive skipped updates (non-finite loss, gradients or updated parameters) after which the
+    run stops with one error line and saves nothing more; 0 never stops."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -554,10 +558,25 @@ def _check_choices(section: Any, prefix: str = "") -> None:
             _one_of(prefix + f.name, value, typing.get_args(tp))
 
 
+def _check_finite(section: Any, prefix: str = "") -> None:
+    """Every float field (and every float in a tuple field) is a finite number: ``inf`` / ``nan``
+    pass the range checks below (``inf > 0``) but turn the first update into NaN."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{prefix}{f.name}.")
+            continue
+        values = value if isinstance(value, tuple) else (value,)
+        for v in values:
+            if isinstance(v, float):
+                _check(math.isfinite(v), f"{prefix}{f.name} must be a finite number (got {value!r})")
+
+
 def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentConfig:
     """Raise ConfigError (one line) for the first impossible setting; return ``cfg`` when sound."""
     e, r, a, o, t = cfg.env, cfg.rollout, cfg.algorithm, cfg.optim, cfg.train
     _check_choices(cfg)
+    _check_finite(cfg)
     # environment
     _check(bool(e.name), "env.name must not be empty")
     _check(len(e.opponents) == len(e.opponent_ratios),
@@ -633,6 +652,8 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     _check(o.entropy_coef >= 0, f"optim.entropy_coef must be >= 0 (got {o.entropy_coef})")
     _check(o.kl_coef >= 0, f"optim.kl_coef must be >= 0 (got {o.kl_coef})")
     _check(o.logprob_chunk >= 1, "optim.logprob_chunk must be >= 1")
+    _check(o.max_skipped_updates >= 0,
+           f"optim.max_skipped_updates must be >= 0 (got {o.max_skipped_updates})")
     # loop
     _check(t.iterations >= 0, f"train.iterations must be >= 0 (got {t.iterations})")
     _check(t.eval_every >= 0, "train.eval_every must be >= 0")

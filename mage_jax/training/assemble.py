@@ -232,6 +232,10 @@ def tokenizer_corpus(cfg: C.ExperimentConfig, task_sampler: TaskSampler) -> list
                                               seat=cfg.env.heldout_seat), False))
     for i, (job, training) in enumerate(jobs):
         result = runner.run(job, CorpusPolicy(cfg.train.seed + i), training=training)
+        if training and result.rows and all(row.overflow for row in result.rows):
+            raise C.ConfigError(
+                f"every prompt is longer than rollout.max_prompt_tokens={cfg.rollout.max_prompt_tokens} "
+                "even without memory: nothing would be trained on; raise rollout.max_prompt_tokens")
         for row in result.rows:
             texts.append(row.prompt_text or "")
             texts.append(row.response_text or "")

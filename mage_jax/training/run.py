@@ -117,7 +117,7 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
     summary = build_summary(
         experiment=experiment or cfg.name, iterations=result.iteration, run_dir=run_dir,
         model_config=parts.model_config, results=result.final, wall_seconds=time.perf_counter() - start,
-        setup_seconds=setup_seconds,
+        setup_seconds=setup_seconds, skipped_updates=result.skipped_updates,
     )
     write_summary(run_dir, summary)
     _mark_finished(run_dir, result.iteration)

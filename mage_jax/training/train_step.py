@@ -11,8 +11,10 @@ state keep the partition rules of ``mage_jax.models.sharding``. On one CPU devic
   the *reference* log-probs of the frozen initial model for the KL term.
 * ``update(state, batch)`` -> (new state, metrics): PPO clip / dual-clip loss with the configured
   aggregation, entropy bonus, optional KL to the reference (k3, clamped), gradients, then
-  ``clip_by_global_norm`` + AdamW. A non-finite loss or gradient skips the update: parameters and
-  optimizer state are kept (``jnp.where`` over the tree) and ``skipped = 1`` is reported.
+  ``clip_by_global_norm`` + AdamW. A non-finite loss, gradient or updated state (parameters and
+  optimizer moments, one all-finite flag reduced inside the step) skips the update: parameters and
+  optimizer state are kept (``jnp.where`` over the tree) and ``skipped = 1`` is reported, so a
+  non-finite state never leaves the step.
 
 Constrained decoding: when rows were sampled under a token automaton, the recompute replays it
 (``constraints.constraint_masks``) so the log-probs describe the same constrained distribution the
@@ -165,7 +167,8 @@ def make_optimizer(
     )
 
 
-def _all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
+    """One boolean: every floating-point leaf of ``tree`` is finite (integer leaves always are)."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
@@ -284,12 +287,14 @@ class TrainStep:
         return self._update(state, grads, metrics, jnp.float32(lr_scale))
 
     def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array], lr_scale: jax.Array):
-        finite = jnp.isfinite(metrics["loss"]) & _all_finite(grads)
         updates, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         # AdamW's updates (weight decay included) are proportional to the learning rate: scaling them
         # is the same as scaling the learning rate.
         updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
         new_params = optax.apply_updates(state.params, updates)
+        # An overflowing step (a huge learning rate) can turn finite gradients into non-finite parameters.
+        finite = (jnp.isfinite(metrics["loss"]) & all_finite(grads) & all_finite(new_params)
+                  & all_finite(new_opt_state))
 
         def keep_if_skipped(new, old):
             return jnp.where(finite, new, old)

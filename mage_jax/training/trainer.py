@@ -16,16 +16,31 @@ tables is the caller's job (``training.run``).
 
 Reproducibility: every random choice of iteration i (tasks, sampling, mini-batch order) is a pure
 function of (seed, i), so a run resumed from the checkpoint of iteration k writes exactly the metrics
-an uninterrupted run writes (on CPU). SIGTERM finishes the current iteration, saves and exits cleanly.
+an uninterrupted run writes (on CPU).
+
+Stopping. SIGTERM and SIGINT (Ctrl-C) ask the loop to stop; a second SIGINT exits at once. The request
+is honoured at the next safe point: between turns of the training rollout and between the mini-batches
+of the log-prob recompute the iteration is abandoned (the parameters are still those of the last
+completed iteration, which is saved unless already on disk, and a resumed run replays the abandoned
+iteration exactly); once the PPO updates have begun (the previous state is donated to them) the
+iteration's updates finish first. An evaluation in progress finishes. The run then ends with status
+``interrupted``.
+
+Safety. Updates whose loss, gradients or new state are non-finite are skipped inside the jitted step
+and counted (``skipped`` per iteration, ``skipped_updates`` in total); ``optim.max_skipped_updates``
+consecutive skips, or an iteration in which every row is invalid (nothing to learn from), stop the run
+with one ``TrainingStopped`` line, saving nothing more. A state that is not finite is never saved.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -40,6 +55,7 @@ from mage_jax.evaluation.report import log_evaluation
 from mage_jax.evaluation.samples import render_markdown, sample_rows
 from mage_jax.logging import MetricsLogger
 from mage_jax.progress import NoBar, progress_bar
+from mage_jax.rollout.policy import Generation, GenerationRequest, Policy
 from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices, pack_rows, pick_bucket
 from mage_jax.training.assemble import (
     RunParts,
@@ -49,20 +65,50 @@ from mage_jax.training.assemble import (
     row_length_buckets,
 )
 from mage_jax.training.checkpoint import key_from_json, key_to_json
-from mage_jax.training.train_step import TrainBatch, gather_rows, lr_decay
+from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows, lr_decay
 
+EXIT_SECOND_INTERRUPT = 130
+"""Exit status of a second Ctrl-C (the shell's 128 + SIGINT): nothing is saved."""
 SUMMED_STEP_METRICS = ("skipped", "response_tokens")
 ROLLOUT_STATS = ("rows", "invalid_ratio", "response_length_mean", "response_length_max", "episodes_run_mean",
                  "truncated_responses", "overflow_invalid")
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot make progress (updates keep being skipped, or an iteration has no valid row); the
+    message is one line, and nothing after the last good checkpoint was saved."""
+
+
+class _Interrupted(Exception):
+    """Raised at a safe point of an iteration after a stop request: the iteration is abandoned."""
+
+
+@dataclasses.dataclass
+class _StoppablePolicy:
+    """A policy whose next turn raises ``_Interrupted`` once a stop was requested (a safe point between
+    turns of the rollout: nothing of the iteration has touched the parameters yet)."""
+
+    policy: Policy
+    stop: threading.Event
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        if self.stop.is_set():
+            raise _Interrupted
+        return self.policy.generate(requests)
+
+    def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
+        return self.policy.prompt_lengths(prompts)
+
+
 @dataclasses.dataclass
 class TrainResult:
     status: str
-    """``finished`` or ``interrupted`` (SIGTERM; a checkpoint was saved)."""
+    """``finished`` or ``interrupted`` (SIGTERM / SIGINT; a checkpoint was saved)."""
     iteration: int
     final: dict[str, SplitResult] | None
     """The final evaluation (None when interrupted)."""
+    skipped_updates: int = 0
+    """Updates skipped over the whole run (non-finite loss, gradients or new state)."""
 
 
 class Trainer:
@@ -85,10 +131,14 @@ class Trainer:
         self.base_key = jax.random.key(cfg.train.seed)
         self.checkpointer = make_checkpointer(cfg, self.run_dir)
         self.start_iteration = 0
+        self.skipped_updates = 0
+        self.consecutive_skips = 0
         if resume and self.checkpointer.latest_step() is not None:
             self.state, meta = self.checkpointer.restore(self.state)
             self.start_iteration = int(meta["iteration"])
             self.base_key = key_from_json(meta["rng"])
+            self.skipped_updates = int(meta.get("skipped_updates", 0))
+            self.consecutive_skips = int(meta.get("consecutive_skips", 0))
             try:
                 parts.task_sampler.load_state_dict(meta.get("task_sampler", {}))
             except ValueError as err:
@@ -108,8 +158,10 @@ class Trainer:
         tasks = parts.task_sampler.sample_train(iteration - 1)
         key = jax.random.fold_in(self.base_key, iteration)
         policy = parts.policy(self.state.params, jax.random.fold_in(key, 0), evaluation=False)
-        result = parts.train_runner.run(tasks, policy, training=True, progress=self._rows_progress(iteration))
+        result = parts.train_runner.run(tasks, _StoppablePolicy(policy, self._stop), training=True,
+                                        progress=self._rows_progress(iteration))
         t_rollout = time.perf_counter() - t0
+        self._check_rows(iteration, result.rows)
         every = cfg.logging.samples_every
         if every > 0 and iteration % every == 0:
             samples = sample_rows(result.rows, parts.tokenizer, cfg.logging.samples)
@@ -135,6 +187,8 @@ class Trainer:
         old = jnp.zeros(packed.tokens.shape, jnp.float32)
         ref = jnp.zeros(packed.tokens.shape, jnp.float32) if self.ref_params is not None else None
         for idx in minibatch_indices(n, mb, permutation=np.argsort(row_lengths, kind="stable")):
+            if self._stop.is_set():  # a safe point: the parameters are still the last iteration's
+                raise _Interrupted
             placed = self.step.place_batch(batch(idx))
             real = idx[idx >= 0]
             old = old.at[real, :placed.length].set(
@@ -169,6 +223,12 @@ class Trainer:
             values = [m[name] for m in step_metrics]
             out[name] = float(np.sum(values)) if name in SUMMED_STEP_METRICS else float(np.mean(values))
         out["updates"] = float(len(step_metrics))
+        longest = self.consecutive_skips
+        for m in step_metrics:
+            self.consecutive_skips = self.consecutive_skips + 1 if m["skipped"] else 0
+            longest = max(longest, self.consecutive_skips)
+        self.skipped_updates += int(out["skipped"])
+        out["consecutive_skips_max"] = float(longest)
         train_metrics = compute_metrics(result, num_episodes=cfg.rollout.num_episodes)
         curves = train_metrics["curves"]
         for k in range(cfg.rollout.num_episodes):
@@ -206,13 +266,48 @@ class Trainer:
 
         return report
 
+    def _check_rows(self, iteration: int, rows: Sequence[Any]) -> None:
+        """Stop when no row of the iteration is valid: every advantage would be the same penalty and
+        the run would train on nothing."""
+        if any(not np.isfinite(row.logprobs).all() for row in rows):
+            raise TrainingStopped(
+                f"sampling iteration {iteration} gave non-finite log-probabilities: the parameters diverged "
+                f"(lower optim.lr); {self._last_checkpoint_note()}")
+        if not rows or any(row.valid for row in rows):
+            return
+        truncated = sum(row.truncated for row in rows)
+        overflow = sum(row.overflow for row in rows)
+        r = self.cfg.rollout
+        raise TrainingStopped(
+            f"every one of the {len(rows)} rows of iteration {iteration} is invalid ({truncated} truncated "
+            f"at rollout.max_response_tokens={r.max_response_tokens}, {overflow} over "
+            f"rollout.max_prompt_tokens={r.max_prompt_tokens}, the rest unparsable): nothing to train on; "
+            f"{self._last_checkpoint_note()}")
+
+    def _check_skips(self, iteration: int, longest: int) -> None:
+        limit = self.cfg.optim.max_skipped_updates
+        if limit > 0 and longest >= limit:
+            raise TrainingStopped(
+                f"{longest} consecutive updates were skipped by iteration {iteration} (non-finite loss, "
+                f"gradients or parameters; optim.max_skipped_updates={limit}): lower optim.lr or check "
+                f"the inputs; {self._last_checkpoint_note()}")
+
+    def _last_checkpoint_note(self) -> str:
+        step = self.checkpointer.latest_step()
+        return "no checkpoint was saved" if step is None else f"the last checkpoint is step {step}"
+
     # -- cadences ----------------------------------------------------------------------------------------
     def _checkpoint(self, iteration: int) -> None:
+        if not bool(jax.jit(all_finite)(self.state)):  # cannot happen past the step's check; never save it
+            raise TrainingStopped(f"the state of iteration {iteration} is not finite; it was not saved; "
+                                  f"{self._last_checkpoint_note()}")
         meta = {
             "iteration": iteration,
             "rng": key_to_json(self.base_key),
             "task_sampler": self.parts.task_sampler.state_dict(),
             "config": C.to_dict(self.cfg),
+            "skipped_updates": self.skipped_updates,
+            "consecutive_skips": self.consecutive_skips,
         }
         self.checkpointer.save(iteration, self.state, meta)
 
@@ -223,19 +318,29 @@ class Trainer:
         log_evaluation(self.logger, iteration, results)
         return results
 
-    def _install_sigterm(self) -> Callable[[], None]:
+    def _install_signals(self) -> Callable[[], None]:
+        """SIGTERM and SIGINT request a stop at the next safe point; a second SIGINT exits at once."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = signal.getsignal(signal.SIGTERM)
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
         def handler(signum: int, frame: Any) -> None:
+            if signum == signal.SIGINT and self._stop.is_set():
+                print("\ninterrupted again: exiting now without saving", file=sys.stderr, flush=True)
+                os._exit(EXIT_SECOND_INTERRUPT)
             self._stop.set()
 
-        signal.signal(signal.SIGTERM, handler)
-        return lambda: signal.signal(signal.SIGTERM, previous)
+        for sig in previous:
+            signal.signal(sig, handler)
+
+        def restore() -> None:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+        return restore
 
     def request_stop(self) -> None:
-        """Finish the current iteration, save a checkpoint and return (what SIGTERM does)."""
+        """Stop at the next safe point, save a checkpoint and return (what SIGTERM and SIGINT do)."""
         self._stop.set()
 
     # -- the loop ----------------------------------------------------------------------------------------
@@ -243,7 +348,7 @@ class Trainer:
         """Iterate up to ``train.iterations`` (from the resumed checkpoint), then evaluate and save."""
         cfg = self.cfg
         total = cfg.train.iterations
-        restore_signal = self._install_sigterm()
+        restore_signal = self._install_signals()
         bar = self._bar = progress_bar(total=total, desc="train", enabled=cfg.logging.progress,
                                        initial=self.start_iteration)
         last_eval: dict[str, SplitResult] | None = None
@@ -255,13 +360,20 @@ class Trainer:
                 if self._stop.is_set():
                     status = "interrupted"
                     break
+                try:
+                    metrics = self.train_iteration(iteration + 1)
+                except _Interrupted:  # abandoned at a safe point: the state is the last iteration's
+                    status = "interrupted"
+                    break
                 iteration += 1
-                metrics = self.train_iteration(iteration)
                 metrics["wall_seconds"] = time.perf_counter() - start_time
                 self.logger.log(iteration, metrics, split="train")
+                self._check_skips(iteration, int(metrics["consecutive_skips_max"]))
                 bar.update(1)
                 postfix = {"succ": f"{metrics['success@last']:.2f}", "pay": f"{metrics['payoff@last']:+.2f}",
                            "ent": f"{metrics['entropy']:.3f}", "kl": f"{metrics['approx_kl']:+.3f}"}
+                if self.skipped_updates:
+                    postfix["skipped"] = str(self.skipped_updates)
                 if last_eval is not None:
                     postfix["eval_pay"] = f"{last_eval['eval'].metrics['curves']['payoff'][-1]:+.3f}"
                 bar.set_postfix(postfix)
@@ -274,7 +386,10 @@ class Trainer:
             if status == "finished":
                 final = self._evaluate(iteration, final=True)
             self._checkpoint(iteration)
-            return TrainResult(status, iteration, final)
+            if self.skipped_updates:
+                print(f"warning: {self.skipped_updates} updates were skipped (non-finite loss, gradients or "
+                      "parameters); see 'skipped' in metrics.jsonl", file=sys.stderr)
+            return TrainResult(status, iteration, final, self.skipped_updates)
         finally:
             bar.close()
             restore_signal()

@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
+import types
 
 import pytest
 
 from experiments import evaluate, kuhn_poker
+from experiments.common import EXIT_INTERRUPTED, EXIT_TRAINING_STOPPED
 from mage_jax import config as C
 from mage_jax.evaluation.report import results_table
 from mage_jax.logging import read_jsonl
+from mage_jax.rollout.policy import LLMPolicy
 from mage_jax.training import trainer as trainer_module
 from tests.training.test_checkpoint import flip_bytes
 
@@ -56,6 +60,7 @@ def test_main_job_writes_a_complete_run_directory(finished_run, capsys):
     ref = summary["evaluation"]["eval"]["reference"]
     assert 0 < ref["winnable"] <= 1 and len(ref["best_fixed_payoff"]) == 2
     assert summary["evaluation"]["heldout"]["metrics"]["by_opponent"].keys() == {"cfr"}
+    assert summary["skipped_updates"] == sum(r["skipped"] for r in records if r["split"] == "train") == 0
     assert {"eval_success.png", "eval_payoff.png", "heldout_success.png", "training.png"} <= set(
         os.listdir(run_dir / "plots"))
     table = results_table(summary, kuhn_poker.SPEC.titles)
@@ -70,11 +75,11 @@ def test_resumed_run_reproduces_the_uninterrupted_metrics(finished_run, tmp_path
     def stop_after_two(self, iteration):
         metrics = original(self, iteration)
         if iteration == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # handled: finish, checkpoint, exit cleanly
+            os.kill(os.getpid(), signal.SIGTERM)  # handled: checkpoint, exit with the interrupted status
         return metrics
 
     monkeypatch.setattr(trainer_module.Trainer, "train_iteration", stop_after_two)
-    assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == 0
+    assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == EXIT_INTERRUPTED
     assert not (run_dir / "summary.json").exists()
     assert [r["iteration"] for r in read_jsonl(str(run_dir))] == [1, 2]
     monkeypatch.setattr(trainer_module.Trainer, "train_iteration", original)
@@ -98,7 +103,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_finishes_identic
         return metrics
 
     monkeypatch.setattr(trainer_module.Trainer, "train_iteration", stop_after_two)
-    assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == 0
+    assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == EXIT_INTERRUPTED
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
     flip_bytes(run_dir / "checkpoints" / "2")
     monkeypatch.setattr(trainer_module.Trainer, "train_iteration", original)
@@ -107,6 +112,97 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_finishes_identic
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "step 2" in warnings[0] and "restored step 1" in warnings[0]
     assert comparable(run_dir) == comparable(reference_dir)
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_a_rollout_saves_promptly_exits_75_and_resumes_identically(
+        finished_run, tmp_path, monkeypatch, capsys, sig):
+    """SIGTERM or Ctrl-C as iteration 2's rollout starts: no further turn is generated (the smoke
+    rollout is one turn, so the signal lands just before it), iteration 1's state is saved
+    (checkpoint.every=0: nothing was on disk), the resume command is printed, the exit status is 75;
+    the resumed run writes the uninterrupted run's metrics."""
+    _, reference_dir, args = finished_run
+    run_dir = tmp_path / "run"
+    original_iteration, original_generate = trainer_module.Trainer.train_iteration, LLMPolicy.generate
+    seen = {"sent": None, "turns_after": 0}
+
+    def train_iteration(self, iteration):
+        if iteration == 2:
+            seen["sent"] = time.perf_counter()
+            os.kill(os.getpid(), sig)
+        return original_iteration(self, iteration)
+
+    def generate(self, requests):
+        if seen["sent"] is not None:
+            seen["turns_after"] += 1
+        return original_generate(self, requests)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", train_iteration)
+    monkeypatch.setattr(LLMPolicy, "generate", generate)
+    capsys.readouterr()
+    argv = [*args, "--set", "checkpoint.every=0", "--run-dir", str(run_dir)]
+    assert kuhn_poker.main(argv) == EXIT_INTERRUPTED
+    seconds = time.perf_counter() - seen["sent"]
+    assert seen["turns_after"] == 0, seen  # the rollout stopped at the next turn
+    assert seconds < 20, seconds  # the rest of iteration 2 (a whole rollout and update) is not waited for
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["1"]
+    assert [r["iteration"] for r in read_jsonl(str(run_dir))] == [1]
+    err = capsys.readouterr().err
+    assert f"python -m experiments.kuhn_poker --run-dir {run_dir} --resume" in err
+    monkeypatch.undo()
+    assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume"]) == 0
+    assert comparable(run_dir) == comparable(reference_dir)
+
+
+def test_a_second_ctrl_c_exits_at_once_without_saving(monkeypatch, capsys):
+    exits = []
+    monkeypatch.setattr(trainer_module.os, "_exit", exits.append)
+    trainer = types.SimpleNamespace(_stop=trainer_module.threading.Event())
+    restore = trainer_module.Trainer._install_signals(trainer)
+    try:
+        signal.raise_signal(signal.SIGINT)
+        assert trainer._stop.is_set() and exits == []
+        signal.raise_signal(signal.SIGINT)
+    finally:
+        restore()
+    assert exits == [trainer_module.EXIT_SECOND_INTERRUPT] == [130]
+    assert "exiting now without saving" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_updates_that_keep_being_skipped_stop_the_run_with_one_line_and_save_nothing(tmp_path, capsys,
+                                                                                     smoke_args):
+    """lr=1e30: the first update overflows the parameters to ~1e30, every later update has a non-finite
+    loss and is skipped; two in a row stop the run (exit 3) before any checkpoint is written."""
+    run_dir = tmp_path / "run"
+    argv = [*smoke_args({**RUN, "optim.lr": 1e30, "optim.epochs": 3, "optim.max_skipped_updates": 2}),
+            "--run-dir", str(run_dir)]
+    capsys.readouterr()
+    assert kuhn_poker.main(argv) == EXIT_TRAINING_STOPPED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: 2 consecutive updates were skipped by iteration 1 (non-finite loss, gradients or "
+                   "parameters; optim.max_skipped_updates=2): lower optim.lr or check the inputs; no "
+                   "checkpoint was saved"]
+    assert [(r["iteration"], r["updates"], r["skipped"]) for r in read_jsonl(str(run_dir))] == [(1, 3, 2)]
+    assert not os.listdir(run_dir / "checkpoints") and not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, code, message",
+    [
+        ({"rollout.max_response_tokens": 1}, EXIT_TRAINING_STOPPED,
+         "error: every one of the 48 rows of iteration 1 is invalid (48 truncated at "
+         "rollout.max_response_tokens=1, 0 over rollout.max_prompt_tokens=512"),
+        ({"rollout.max_prompt_tokens": 16}, 2,
+         "error: every prompt is longer than rollout.max_prompt_tokens=16 even without memory"),
+    ],
+)
+def test_a_run_that_would_train_on_nothing_is_refused_or_stopped_with_one_line(tmp_path, capsys, smoke_args,
+                                                                                overrides, code, message):
+    capsys.readouterr()
+    assert kuhn_poker.main([*smoke_args(overrides), "--run-dir", str(tmp_path / "run")]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+
 
 def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):
     _, run_dir, _ = finished_run
@@ -125,6 +221,7 @@ def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):
     "argv, message",
     [
         (["--optim.lr", "-1"], "error: optim.lr must be > 0 (got -1.0)"),
+        (["--optim.lr", "inf"], "error: optim.lr must be a finite number (got inf)"),
         (["--set", "rollout.batch_size=30"],
          "error: rollout.group_size 4 does not divide rollout.batch_size 30"),
         (["--optim.lrr", "1"], "error: unknown config key 'optim.lrr'"),

@@ -110,6 +110,22 @@ def test_non_finite_loss_skips_the_update_and_keeps_state(model, step):
         np.testing.assert_array_equal(a, np.asarray(c))
 
 
+def test_an_update_that_makes_parameters_non_finite_is_skipped(model, step):
+    """Finite loss and gradients, but a step that overflows (an infinite learning-rate scale): the
+    all-finite flag of the updated state keeps the old parameters and counts the update skipped."""
+    _, _, _, params = model
+    state = step.init_state(jax.tree.map(jnp.copy, params))
+    b = batch()
+    old = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
+    b.update(old_logprobs=old, ref_logprobs=old, advantages=np.array([1.0, 1.0, -1.0, 0.0], np.float32))
+    before = jax.tree.map(np.asarray, state.params)
+    state, metrics = step.update(state, step.place_batch(TrainBatch(**b)), lr_scale=float("inf"))
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert float(metrics["skipped"]) == 1.0 and int(state.step) == 0
+    for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(a, np.asarray(c))
+
+
 def test_kl_term_is_zero_against_itself_and_positive_after_moving(model, step):
     _, _, _, params = model
     state = step.init_state(jax.tree.map(jnp.copy, params))
