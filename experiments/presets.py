@@ -108,6 +108,9 @@ def _pretrained(env: str, *, privileged_reflection: bool = False) -> dict[str, A
         "tokenizer.enable_thinking": True,
         # Every decoder block recomputed in the backward pass: activations of one block at a time.
         "model.overrides": {"remat": "full"},
+        # Gradients accumulated over 16-row micro-batches (2 rows per device on 8): the 12288-token bucket
+        # fits 80 GB per device (docs/attention.md).
+        "optim.micro_batch_rows": 16,
         "rollout.num_episodes": 3,
         "rollout.memory_mode": "reflection_only",
         "rollout.reflect": True,

@@ -202,6 +202,9 @@ class OptimConfig:
     lr_end_fraction: float = 0.0
     """Learning rate at the last iteration, as a fraction of ``lr`` (linear / cosine decay)."""
     mini_batch_rows: int = 64
+    micro_batch_rows: int = 0
+    """Rows per forward/backward pass of an update, accumulated into one optimizer step (must divide
+    ``mini_batch_rows``); 0: the whole mini-batch at once."""
     epochs: int = 1
     clip_eps: float = 0.2
     dual_clip: float = 3.0
@@ -646,6 +649,10 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     _check(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
     _check(0 <= o.lr_end_fraction <= 1, f"optim.lr_end_fraction must be in [0, 1] (got {o.lr_end_fraction})")
     _check(o.mini_batch_rows >= 1, f"optim.mini_batch_rows must be >= 1 (got {o.mini_batch_rows})")
+    micro = o.micro_batch_rows
+    _check(micro == 0 or (micro >= 1 and o.mini_batch_rows % micro == 0),
+           f"optim.micro_batch_rows must be 0 or divide optim.mini_batch_rows {o.mini_batch_rows} "
+           f"(got {o.micro_batch_rows})")
     _check(o.epochs >= 1, f"optim.epochs must be >= 1 (got {o.epochs})")
     _check(0 < o.clip_eps < 1, f"optim.clip_eps must be in (0, 1) (got {o.clip_eps})")
     _check(o.dual_clip > 1, f"optim.dual_clip must be > 1 (got {o.dual_clip})")

@@ -67,8 +67,10 @@ class Setup:
         return jax.tree.map(lambda a: a.sharding, self.params)
 
 
-def paper_setup(num_layers: int, *, attention: str | None = None, remat: str | None = None) -> Setup:
-    """The Kuhn Poker ``paper`` preset at ``num_layers`` layers (attention / remat: preset's unless given)."""
+def paper_setup(num_layers: int, *, attention: str | None = None, remat: str | None = None,
+                micro_batch_rows: int | None = None) -> Setup:
+    """The Kuhn Poker ``paper`` preset at ``num_layers`` layers (attention / remat / the train step's
+    micro-batch rows: the preset's unless given)."""
     import jax
     from flax import nnx
 
@@ -78,9 +80,12 @@ def paper_setup(num_layers: int, *, attention: str | None = None, remat: str | N
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.transformer import Transformer
     from mage_jax.sampling import Sampler
-    from mage_jax.training.train_step import StepConfig, TrainStep, learning_rate_schedule, make_optimizer
+    from mage_jax.training.assemble import step_config
+    from mage_jax.training.train_step import TrainStep, learning_rate_schedule, make_optimizer
 
     cfg = C.apply_overrides(C.ExperimentConfig(name="kuhn_poker"), PRESETS["paper"].overrides)
+    if micro_batch_rows is not None:
+        cfg = C.apply_overrides(cfg, {"optim.micro_batch_rows": micro_batch_rows})
     m = cfg.model
     # What build_model does with a local folder: the HF config (float32 parameters), then the preset's
     # activation dtype and model overrides.
@@ -99,10 +104,7 @@ def paper_setup(num_layers: int, *, attention: str | None = None, remat: str | N
     o = cfg.optim
     schedule = learning_rate_schedule(o.lr, o.warmup_steps)
     optimizer = make_optimizer(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
-    step_config = StepConfig(clip_eps=o.clip_eps, dual_clip=o.dual_clip, entropy_coef=o.entropy_coef,
-                             kl_coef=o.kl_coef, kl_kind=o.kl_kind, aggregation=o.aggregation,
-                             chunk_size=o.logprob_chunk)
-    step = TrainStep(graphdef, optimizer, schedule, step_config, mesh)
+    step = TrainStep(graphdef, optimizer, schedule, step_config(cfg), mesh)
     sampler = Sampler(graphdef, model_config, eos_ids=[1], pad_id=0, mesh=mesh, state_shardings=shardings)
     return Setup(cfg, model_config, mesh, graphdef, params, step, sampler)
 
@@ -130,8 +132,10 @@ def _rows_spec(setup: Setup, shape: Sequence[int], dtype) -> Any:
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(setup.mesh, spec))
 
 
-def _train_batch(setup: Setup, rows: int, length: int) -> dict[str, Any]:
+def _train_batch(setup: Setup, rows: int, length: int) -> Any:
     import jax.numpy as jnp
+
+    from mage_jax.training.train_step import TrainBatch
 
     batch = {name: _rows_spec(setup, (rows, length), dtype) for name, dtype in (
         ("tokens", jnp.int32), ("positions", jnp.int32), ("token_mask", jnp.bool_), ("targets", jnp.int32),
@@ -140,7 +144,7 @@ def _train_batch(setup: Setup, rows: int, length: int) -> dict[str, Any]:
     batch["advantages"] = _rows_spec(setup, (rows,), jnp.float32)
     if setup.step.config.kl_coef > 0:
         batch["ref_logprobs"] = _rows_spec(setup, (rows, length), jnp.float32)
-    return batch
+    return TrainBatch(**batch)
 
 
 def compile_train_grads(setup: Setup, rows: int, length: int):
@@ -162,7 +166,7 @@ def compile_logprobs(setup: Setup, rows: int, length: int):
 
     def fn(params, batch):
         logp, _ = step._token_logprobs(params, batch)
-        return jnp.where(batch["response_mask"], logp, 0.0)
+        return jnp.where(batch.response_mask, logp, 0.0)
 
     jitted = jax.jit(fn, out_shardings=step._batch_sharding)
     with jax.set_mesh(setup.mesh):
@@ -192,7 +196,7 @@ def compile_sampler(setup: Setup, rows: int, prompt: int, new_tokens: int):
 
 
 def program_memory(program: str, layers: Sequence[int], *, length: int, rows: int, attention: str | None,
-                   remat: str | None, prompt: int = 0) -> dict[str, Any]:
+                   remat: str | None, prompt: int = 0, micro_batch_rows: int | None = None) -> dict[str, Any]:
     """Compile ``program`` at each depth in ``layers`` and extrapolate its per-device bytes to full depth."""
     from mage_jax.models.attention import choose_implementation
     from mage_jax.models.config import ModelConfig
@@ -202,7 +206,7 @@ def program_memory(program: str, layers: Sequence[int], *, length: int, rows: in
     started = time.perf_counter()
     setup = None
     for n in layers:
-        setup = paper_setup(n, attention=attention, remat=remat)
+        setup = paper_setup(n, attention=attention, remat=remat, micro_batch_rows=micro_batch_rows)
         if program == "train_grads":
             compiled = compile_train_grads(setup, rows, length)
         elif program == "logprobs":
@@ -222,6 +226,7 @@ def program_memory(program: str, layers: Sequence[int], *, length: int, rows: in
                                    dense_max_len=mc.attention_dense_max_len, platform="cpu")
     return {
         "program": program, "attention": chosen, "remat": mc.remat,
+        "micro_batch_rows": setup.step.config.micro_batch_rows if program == "train_grads" else 0,
         "length": length, "prompt": prompt, "rows": rows, "rows_per_device": rows // devices,
         "devices": devices, "layers_compiled": list(layers), "full_depth": full_depth,
         "measured": {str(n): v for n, v in measured.items()}, "per_layer": per_layer,
@@ -234,9 +239,10 @@ def _table(results: list[dict[str, Any]]) -> str:
              "| fits 80 GB |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         peak = r["extrapolated"]["peak"]
+        micro = f", micro-batch {r['micro_batch_rows']}" if r["micro_batch_rows"] else ""
         lines.append(
-            f"| {r['program']} | {r['variant']} ({r['attention']}, remat {r['remat']}) | {r['length']} | "
-            f"{r['rows']} ({r['rows_per_device']}) | {peak / GB:,.1f} GB | "
+            f"| {r['program']} | {r['variant']} ({r['attention']}, remat {r['remat']}{micro}) | "
+            f"{r['length']} | {r['rows']} ({r['rows_per_device']}) | {peak / GB:,.1f} GB | "
             f"{r['per_layer']['peak'] / GB:,.2f} GB | {r['extrapolated']['temp'] / GB:,.1f} GB | "
             f"{'yes' if peak < H100_BYTES else 'no'} |")
     return "\n".join(lines)
@@ -253,22 +259,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--programs", nargs="+", default=["train_grads", "logprobs", "sampler"])
     parser.add_argument("--train-rows", type=int, default=64, help="optim.mini_batch_rows of the preset")
     parser.add_argument("--sampler-rows", type=int, default=128, help="num_tasks x group_size of the preset")
-    parser.add_argument("--variants", nargs="+", default=["before", "after"])
+    parser.add_argument("--variants", nargs="+", default=["before", "whole", "after"],
+                        choices=["before", "whole", "after"])
     args = parser.parse_args(argv)
     force_cpu_devices(args.devices)
 
     from experiments.benchmarks.common import machine, write_report
 
-    variants = {"before": ("dense", "none"), "after": (None, None)}
+    # before: dense attention, no remat, whole mini-batch (the code as it was); whole: the preset's
+    # attention and remat on the whole mini-batch; after: the preset's settings, micro-batches included.
+    variants = {"before": ("dense", "none", 0), "whole": (None, None, 0), "after": (None, None, None)}
     results = []
     for program in args.programs:
         for length in args.lengths:
             for variant in args.variants:
-                attention, remat = variants[variant]
+                attention, remat, micro = variants[variant]
                 rows = args.sampler_rows if program == "sampler" else args.train_rows
                 prompt = length // 3 if program == "sampler" else 0  # the paper's 4096 : 8192 split
                 r = program_memory(program, args.layers, length=length, rows=rows, attention=attention,
-                                   remat=remat, prompt=prompt)
+                                   remat=remat, prompt=prompt, micro_batch_rows=micro)
                 r["variant"] = variant
                 results.append(r)
                 print(f"{program} T={length} {variant}: {r['extrapolated']['peak'] / GB:,.1f} GB per device "

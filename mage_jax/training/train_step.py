@@ -119,6 +119,8 @@ class StepConfig:
     chunk_size: int = 512
     constraint_len: int = 0
     """Response tokens over which a constraint automaton is replayed (0: no constrained rows)."""
+    micro_batch_rows: int = 0
+    """Rows per forward/backward pass inside one update (gradient accumulation); 0: the whole mini-batch."""
 
 
 @flax.struct.dataclass
@@ -313,6 +315,43 @@ class TrainStep:
         return new_state, metrics
 
     def _grads_fn(self, params: Any, batch: TrainBatch):
+        """Loss, gradients and metrics of one mini-batch, over ``micro_batch_rows`` rows at a time.
+
+        The micro-batches run under one ``lax.scan`` in this program, so only one micro-batch's
+        activations are alive at a time; gradients and metrics accumulate in float32. Each
+        micro-batch's loss is weighted by its share of the aggregation's denominator (response
+        tokens for token-mean, real rows for the seq-mean modes) and its token-mean diagnostics by
+        its share of response tokens, so the sums equal the whole mini-batch's values.
+        """
+        cfg = self.config
+        rows = batch.tokens.shape[0]
+        micro = cfg.micro_batch_rows or rows
+        if rows % micro:
+            raise ValueError(f"micro_batch_rows {micro} does not divide the mini-batch's {rows} rows")
+        if micro == rows:
+            one = jnp.float32(1.0)
+            grads, metrics = self._micro_grads(params, batch, one, one)
+        else:
+            mask = batch.response_mask
+            agg_total = jnp.maximum(aggregation_count(mask, cfg.aggregation), 1.0)
+            token_total = jnp.maximum(aggregation_count(mask, "token-mean"), 1.0)
+
+            def body(acc, part: TrainBatch):
+                agg_weight = aggregation_count(part.response_mask, cfg.aggregation) / agg_total
+                token_weight = aggregation_count(part.response_mask, "token-mean") / token_total
+                grads, metrics = self._micro_grads(params, part, agg_weight, token_weight)
+                return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, (grads, metrics)), None
+
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                                 jax.eval_shape(self._micro_grads, params, batch, 1.0, 1.0))
+            (grads, metrics), _ = jax.lax.scan(body, zeros, split_micro_batches(batch, micro))
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        metrics = dict(metrics, response_tokens=batch.response_mask.sum().astype(jnp.float32))
+        return grads, metrics
+
+    def _micro_grads(self, params: Any, batch: TrainBatch, agg_weight: jax.Array, token_weight: jax.Array):
+        """Gradients of ``agg_weight`` x the loss of ``batch`` and its metrics, each weighted like its
+        aggregation (``agg_weight`` for loss terms, ``token_weight`` for token-mean diagnostics)."""
         cfg = self.config
         mask = batch.response_mask
 
@@ -330,15 +369,36 @@ class TrainStep:
                 kl_term = losses.aggregate(kl, mask, cfg.aggregation)
                 loss = loss + cfg.kl_coef * kl_term
             metrics = {
-                "policy_loss": pg_loss,
-                "clip_fraction": pg_metrics["clip_fraction"],
-                "dual_clip_fraction": pg_metrics["dual_clip_fraction"],
-                "approx_kl": pg_metrics["approx_kl"],
-                "entropy": entropy_term,
-                "kl_loss": kl_term,
+                "loss": agg_weight * loss,
+                "policy_loss": agg_weight * pg_loss,
+                "clip_fraction": token_weight * pg_metrics["clip_fraction"],
+                "dual_clip_fraction": token_weight * pg_metrics["dual_clip_fraction"],
+                "approx_kl": token_weight * pg_metrics["approx_kl"],
+                "entropy": agg_weight * entropy_term,
+                "kl_loss": agg_weight * kl_term,
             }
-            return loss, metrics
+            return agg_weight * loss, metrics
 
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        metrics = dict(metrics, loss=loss, response_tokens=mask.sum().astype(jnp.float32))
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return grads, metrics
+
+
+def aggregation_count(mask: jax.Array, mode: str) -> jax.Array:
+    """The denominator of ``losses.aggregate(..., mode)`` over these rows, float32: response tokens
+    (token-mean) or rows with at least one response token (the seq-mean modes)."""
+    mask = mask.astype(jnp.float32)
+    if mode == "token-mean":
+        return mask.sum()
+    return (mask.sum(axis=-1) > 0).astype(jnp.float32).sum()
+
+
+def split_micro_batches(batch: TrainBatch, micro_rows: int) -> TrainBatch:
+    """``[R, ...]`` -> ``[R / micro_rows, micro_rows, ...]``; micro-batch ``j`` holds rows ``j, j + n,
+    j + 2n, ...`` (n micro-batches). Strided, so with rows split contiguously over the mesh every
+    micro-batch keeps ``micro_rows / devices`` rows on each device and the split moves no data."""
+
+    def split(x: jax.Array) -> jax.Array:
+        n = x.shape[0] // micro_rows
+        return jnp.moveaxis(x.reshape((micro_rows, n) + x.shape[1:]), 1, 0)
+
+    return jax.tree.map(split, batch)
