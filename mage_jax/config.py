@@ -235,6 +235,9 @@ class TrainConfig:
     eval_final_only_heldout: bool = True
     """Held-out evaluation only at the end (it is not a training signal)."""
     seed: int = 0
+    stop_when_all_invalid: bool = True
+    """Stop with one error line when no row of an iteration is valid (nothing to train on). Off only
+    where that is expected, e.g. a smoke run of a random model."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -204,7 +204,7 @@ def side_report(times: list[float], tokens: int, flops: float, peak: float) -> d
         "times_s": [round(t, 4) for t in times],
         "tokens_per_s": spread(rates),
         "gflops": spread(gflops),
-        "fraction_of_peak": round(statistics.median(gflops) / peak, 3),
+        "fraction_of_peak": float(f"{statistics.median(gflops) / peak:.4g}"),
     }
 
 

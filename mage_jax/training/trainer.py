@@ -273,7 +273,7 @@ class Trainer:
             raise TrainingStopped(
                 f"sampling iteration {iteration} gave non-finite log-probabilities: the parameters diverged "
                 f"(lower optim.lr); {self._last_checkpoint_note()}")
-        if not rows or any(row.valid for row in rows):
+        if not rows or not self.cfg.train.stop_when_all_invalid or any(row.valid for row in rows):
             return
         truncated = sum(row.truncated for row in rows)
         overflow = sum(row.overflow for row in rows)
