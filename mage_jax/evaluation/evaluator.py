@@ -37,7 +37,7 @@ from mage_jax.evaluation.oracle import KuhnMetaEpisode, kuhn_oracle
 from mage_jax.evaluation.samples import Sample, sample_rows
 from mage_jax.progress import progress_bar
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutResult, RunnerConfig
-from mage_jax.rollout.policy import Generation, GenerationRequest, Policy
+from mage_jax.rollout.policy import Policy, RandomLegalPolicy
 from mage_jax.rollout.rows import Row
 from mage_jax.rollout.tasks import Task, TaskSampler
 
@@ -138,24 +138,6 @@ def _reference_block(report: Any) -> dict[str, Any]:
         "best_fixed_by_success_payoff": report.best_fixed_by_success.payoff.tolist(),
         "adaptive_payoff_bound": report.adaptive_payoff_bound.tolist(),
     }
-
-
-class RandomLegalPolicy:
-    """Uniform over the allowed completions (legal actions) of each row; an empty remark otherwise."""
-
-    def __init__(self, seed: int):
-        self._rng = np.random.default_rng(seed)
-
-    def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
-        return [len(p.split()) for p in prompts]
-
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
-        out = []
-        for req in requests:
-            allowed = req.allowed_completions
-            text = allowed[int(self._rng.integers(len(allowed)))] if allowed else "<remark></remark>"
-            out.append(Generation(text=text, prompt_ids=(0,), response_ids=(0,), logprobs=(0.0,)))
-        return out
 
 
 def random_reference(env_name: str, env_options: Mapping[str, Any], tasks: Sequence[Task], num_episodes: int,

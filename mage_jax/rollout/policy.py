@@ -69,6 +69,31 @@ def _byte_ids(text: str) -> tuple[int, ...]:
     return tuple(text.encode("utf-8"))
 
 
+class RandomLegalPolicy:
+    """Uniform over each request's allowed completions (its legal actions). A request without them gets a
+    fixed answer: ``reflection`` for a reflect prompt, ``otherwise`` for any other. The random reference of
+    an evaluation and the word-level tokenizer's corpus both play with it."""
+
+    def __init__(self, seed: int, *, reflection: str = "<remark></remark>",
+                 otherwise: str = "<remark></remark>"):
+        self._rng = np.random.default_rng(seed)
+        self.reflection, self.otherwise = reflection, otherwise
+
+    def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
+        return [len(p.split()) for p in prompts]
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        out = []
+        for req in requests:
+            allowed = req.allowed_completions
+            if allowed:
+                text = allowed[int(self._rng.integers(len(allowed)))]
+            else:
+                text = self.reflection if "<remark>" in req.prompt else self.otherwise
+            out.append(Generation(text=text, prompt_ids=(0,), response_ids=(0,), logprobs=(0.0,)))
+        return out
+
+
 class ScriptedPolicy:
     """A policy from a Python function ``fn(prompt) -> response text``.
 

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from mage_jax import config as C
 from mage_jax.algorithms import AdvantageConfig
@@ -27,7 +26,7 @@ from mage_jax.models.config import ModelConfig
 from mage_jax.models.hf_loading import load_hf_params
 from mage_jax.rollout.attempts import IndependentAttemptsRunner
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
-from mage_jax.rollout.policy import Generation, GenerationRequest, LLMPolicy, Policy
+from mage_jax.rollout.policy import LLMPolicy, Policy, RandomLegalPolicy
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 from mage_jax.sampling import Sampler, SamplingParams
 from mage_jax.tokenizer import Tokenizer, TokenizerError
@@ -193,28 +192,6 @@ def make_checkpointer(cfg: C.ExperimentConfig, run_dir: str) -> Checkpointer:
 # tokenizer and model
 
 
-class CorpusPolicy:
-    """A random policy for the word-level corpus: a random allowed completion (or a format example)."""
-
-    def __init__(self, seed: int):
-        self._rng = np.random.default_rng(seed)
-
-    def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
-        return [len(p.split()) for p in prompts]
-
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
-        out = []
-        for req in requests:
-            if req.allowed_completions:
-                text = req.allowed_completions[int(self._rng.integers(len(req.allowed_completions)))]
-            elif "<remark>" in req.prompt:
-                text = "<remark> plan </remark>"
-            else:
-                text = ""
-            out.append(Generation(text=text, prompt_ids=(1,), response_ids=(1,), logprobs=(0.0,)))
-        return out
-
-
 def tokenizer_corpus(cfg: C.ExperimentConfig, task_sampler: TaskSampler) -> list[str]:
     """Rendered prompts and responses of random-policy meta-episodes: the word-level vocabulary source.
 
@@ -232,7 +209,8 @@ def tokenizer_corpus(cfg: C.ExperimentConfig, task_sampler: TaskSampler) -> list
         jobs.append((task_sampler.sample_eval(min(n, 64), opponent=cfg.env.heldout_opponent,
                                               seat=cfg.env.heldout_seat), False))
     for i, (job, training) in enumerate(jobs):
-        result = runner.run(job, CorpusPolicy(cfg.train.seed + i), training=training)
+        policy = RandomLegalPolicy(cfg.train.seed + i, reflection="<remark> plan </remark>", otherwise="")
+        result = runner.run(job, policy, training=training)
         if training and result.rows and all(row.overflow for row in result.rows):
             raise C.ConfigError(
                 f"every prompt is longer than rollout.max_prompt_tokens={cfg.rollout.max_prompt_tokens} "

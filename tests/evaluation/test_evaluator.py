@@ -15,12 +15,12 @@ from mage_jax.evaluation.evaluator import (
     EvalProtocol,
     EvalSplit,
     Evaluator,
-    RandomLegalPolicy,
     random_reference,
 )
 from mage_jax.evaluation.oracle import KuhnMetaEpisode, kuhn_oracle
 from mage_jax.rollout.attempts import IndependentAttemptsRunner
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner
+from mage_jax.rollout.policy import RandomLegalPolicy
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 from mage_jax.training.assemble import make_eval_runner, make_task_sampler
 
