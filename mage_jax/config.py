@@ -35,6 +35,7 @@ from mage_jax.algorithms.losses import AGG_MODES, KL_KINDS
 from mage_jax.algorithms.returns import REWARD_DESIGNS
 from mage_jax.envs.prompts import MEMORY_MODES, STYLES
 from mage_jax.models.config import DTYPES
+from mage_jax.models.lora import LORA_TARGETS
 from mage_jax.models.sharding import MeshConfig
 from mage_jax.rollout.tasks import GROUPINGS, SEAT_MODES
 from mage_jax.training.train_step import LR_DECAYS
@@ -102,6 +103,13 @@ class ModelSection:
     """Activation dtype (``float32`` or ``bfloat16``); parameters stay float32 for the optimiser."""
     init_seed: int | None = None
     """Seed of the random initialisation of a from-scratch model; None: ``train.seed``."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on ``lora_targets``; only they are trained (the base is frozen and the KL
+    reference is the base without adapters). 0: full fine-tuning."""
+    lora_alpha: float = 16.0
+    """Adapter outputs are scaled by ``lora_alpha / lora_rank``."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """Projections with adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -608,6 +616,13 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
                "tokenizer.kind=hf needs tokenizer.path or model.path (a local Hugging Face folder)")
         if check_paths:
             _check(os.path.isdir(tok_path), f"tokenizer folder {tok_path!r} does not exist")
+    lo = cfg.model
+    _check(lo.lora_rank >= 0, f"model.lora_rank must be >= 0 (got {lo.lora_rank})")
+    _check(lo.lora_alpha > 0, f"model.lora_alpha must be > 0 (got {lo.lora_alpha})")
+    bad = [t for t in lo.lora_targets if t not in LORA_TARGETS]
+    _check(bool(lo.lora_targets) and not bad,
+           f"model.lora_targets must be a non-empty list of {', '.join(LORA_TARGETS)} "
+           f"(got {', '.join(lo.lora_targets) or 'none'})")
     _check(cfg.tokenizer.corpus_meta_episodes > 0, "tokenizer.corpus_meta_episodes must be > 0")
     # sampling
     for split in ("train", "eval"):

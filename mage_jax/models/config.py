@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from mage_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from mage_jax.models.lora import LORA_TARGETS
 
 ARCHITECTURES = ("qwen3", "qwen2", "llama")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -87,6 +88,12 @@ class ModelConfig:
     """Query and key block of the blockwise implementation."""
     attention_dense_max_len: int = 1024
     """``auto`` on CPU: dense attention up to this many tokens per row, blockwise beyond."""
+    lora_rank: int = 0
+    """Rank of the LoRA adapters on ``lora_targets`` (``mage_jax.models.lora``); 0: no adapters."""
+    lora_alpha: float = 16.0
+    """Adapter outputs are scaled by ``lora_alpha / lora_rank``."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """Projections that get an adapter (a subset of ``LORA_TARGETS``: q/k/v/o and gate/up/down)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rope_scaling", _freeze_rope_scaling(self.rope_scaling))
@@ -114,6 +121,16 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be an integer >= 0, got {self.lora_rank!r}")
+        if self.lora_rank:
+            if not self.lora_alpha > 0:
+                raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha!r}")
+            unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+            if unknown or not self.lora_targets:
+                raise ValueError(f"lora_targets must be a non-empty subset of {', '.join(LORA_TARGETS)}, "
+                                 f"got {', '.join(self.lora_targets) or 'none'}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -134,6 +151,15 @@ class ModelConfig:
     def remat_policy(self):
         """The `jax.checkpoint` policy of `remat` (None when remat is "none")."""
         return REMAT_POLICIES[self.remat]
+
+    @property
+    def lora_scale(self) -> float:
+        """The factor of the adapters' output, ``lora_alpha / lora_rank`` (0 without adapters)."""
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+    def lora_targeted(self, name: str) -> bool:
+        """Whether projection ``name`` carries a LoRA adapter."""
+        return self.lora_rank > 0 and name in self.lora_targets
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:

@@ -11,7 +11,8 @@ one ``ValueError`` naming the file, an index may only name files inside the fold
 block is checked to be finite (NaN or inf weights would otherwise train silently into NaN).
 
 Hugging Face stores linear weights as [out, in]; we store kernels as [in, out], so those are
-transposed on the way in and out.
+transposed on the way in and out. LoRA adapters are not in a Hugging Face folder: loading a config
+with `lora_rank > 0` initialises them fresh, and export folds them into the kernels.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import safe_open
 
 from mage_jax.models.config import ModelConfig
+from mage_jax.models.lora import has_adapters, merge_adapters, split_adapters
 from mage_jax.models.sharding import param_shardings, path_to_str
 from mage_jax.models.transformer import Transformer
 
@@ -138,12 +140,14 @@ def load_hf_params(
     dtype: Any = None,
     shardings: Any = None,
     mesh: Mesh | None = None,
+    lora_seed: int = 0,
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
     """Load a local Hugging Face checkpoint folder -> (config, graphdef, state).
 
-    `config` defaults to the folder's `config.json` (pass one to change `param_dtype`, `dtype` or
-    `remat`); `dtype` overrides the parameter dtype. Placement: explicit `shardings` (a pytree
-    matching the state), else the partition rules on `mesh`, else the default device.
+    `config` defaults to the folder's `config.json` (pass one to change `param_dtype`, `dtype`,
+    `remat` or add LoRA adapters); `dtype` overrides the parameter dtype. Placement: explicit
+    `shardings` (a pytree matching the state), else the partition rules on `mesh`, else the default
+    device. With `config.lora_rank > 0` the adapters are initialised from `lora_seed` (B = 0).
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -155,13 +159,15 @@ def load_hf_params(
         config = dataclasses.replace(config, param_dtype=dtype)
     param_dtype = config.jnp_param_dtype
 
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(lora_seed)))
     graphdef, abstract_state = nnx.split(abstract)
     if shardings is None and mesh is not None:
         shardings = param_shardings(abstract_state, mesh)
     if shardings is None:
         device = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, abstract_state)
+    adapter_shardings, shardings = split_adapters(shardings)
+    abstract_state = split_adapters(abstract_state)[1]
 
     names = hf_name_map(config)
     files = _tensor_files(path)
@@ -191,6 +197,11 @@ def load_hf_params(
             )
 
         state = jax.tree_util.tree_map_with_path(load, abstract_state, shardings)
+    if config.lora_rank:  # fresh adapters (B = 0: the loaded model's outputs are unchanged)
+        def init_adapters():
+            return split_adapters(nnx.split(Transformer(config, rngs=nnx.Rngs(lora_seed)))[1])[0]
+
+        state = nnx.merge_state(state, jax.jit(init_adapters, out_shardings=adapter_shardings)())
     return config, graphdef, state
 
 
@@ -242,6 +253,8 @@ def export_hf(
 
     if isinstance(state, Transformer):
         state = nnx.state(state, nnx.Param)
+    if has_adapters(state):  # LoRA: export W + (alpha / r) A B, a plain model of the base architecture
+        state = merge_adapters(state, config.lora_scale)
     out_dir = os.fspath(out_dir)
     names = hf_name_map(config)
     tensors: dict[str, np.ndarray] = {}

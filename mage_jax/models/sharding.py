@@ -38,6 +38,8 @@ PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"(^|/)mlp/down_proj/kernel$", ("tensor", "fsdp")),
     (r"(^|/)lm_head/kernel$", ("fsdp", "tensor")),
     (r"(^|/)(input_norm|post_attn_norm|final_norm|q_norm|k_norm)/scale$", (None,)),
+    # LoRA adapters ([in, r] and [r, out], mage_jax.models.lora): small, replicated.
+    (r"(^|/)lora/lora_(a|b)$", (None, None)),
 )
 
 

@@ -38,6 +38,7 @@ from flax import nnx
 
 from mage_jax.models import attention as attn
 from mage_jax.models.config import ModelConfig
+from mage_jax.models.lora import LoRALinear
 from mage_jax.models.sharding import constrain_rows
 
 
@@ -156,11 +157,15 @@ class RMSNorm(nnx.Module):
         return normed.astype(self.dtype) * self.scale.value.astype(self.dtype)
 
 
-def _linear(config: ModelConfig, n_in: int, n_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
-        n_in, n_out, use_bias=bias, dtype=config.jnp_dtype, param_dtype=config.jnp_param_dtype,
-        kernel_init=nnx.initializers.normal(stddev=0.02), rngs=rngs,
-    )
+def _linear(config: ModelConfig, n_in: int, n_out: int, bias: bool, rngs: nnx.Rngs,
+            name: str = "") -> nnx.Linear:
+    """A projection; a `LoRALinear` (same base parameters plus an adapter) when `name` is a LoRA target."""
+    kwargs = dict(use_bias=bias, dtype=config.jnp_dtype, param_dtype=config.jnp_param_dtype,
+                  kernel_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
+    if config.lora_targeted(name):
+        return LoRALinear(n_in, n_out, lora_rank=config.lora_rank, scale=config.lora_scale,
+                          lora_dtype=config.jnp_dtype, lora_param_dtype=jnp.float32, **kwargs)
+    return nnx.Linear(n_in, n_out, **kwargs)
 
 
 class Attention(nnx.Module):
@@ -169,10 +174,10 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.dtype = c.jnp_dtype
         self.block_size = c.attention_block_size
-        self.q_proj = _linear(c, c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias, rngs)
-        self.k_proj = _linear(c, c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, rngs)
-        self.v_proj = _linear(c, c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, rngs)
-        self.o_proj = _linear(c, c.num_heads * c.head_dim, c.hidden_size, False, rngs)
+        self.q_proj = _linear(c, c.hidden_size, c.num_heads * c.head_dim, c.qkv_bias, rngs, "q_proj")
+        self.k_proj = _linear(c, c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, rngs, "k_proj")
+        self.v_proj = _linear(c, c.hidden_size, c.num_kv_heads * c.head_dim, c.qkv_bias, rngs, "v_proj")
+        self.o_proj = _linear(c, c.num_heads * c.head_dim, c.hidden_size, False, rngs, "o_proj")
         if c.qk_norm:
             norm = dict(dtype=c.jnp_dtype, param_dtype=c.jnp_param_dtype)
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **norm)
@@ -208,9 +213,9 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c = config
-        self.gate_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs)
-        self.up_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs)
-        self.down_proj = _linear(c, c.intermediate_size, c.hidden_size, False, rngs)
+        self.gate_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs, "gate_proj")
+        self.up_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs, "up_proj")
+        self.down_proj = _linear(c, c.intermediate_size, c.hidden_size, False, rngs, "down_proj")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = constrain_rows(jax.nn.silu(constrain_rows(self.gate_proj(x))) * constrain_rows(self.up_proj(x)))

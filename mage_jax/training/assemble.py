@@ -84,7 +84,7 @@ def step_config(cfg: C.ExperimentConfig) -> StepConfig:
         clip_eps=o.clip_eps, dual_clip=o.dual_clip, entropy_coef=o.entropy_coef, kl_coef=o.kl_coef,
         kl_kind=o.kl_kind, aggregation=o.aggregation, chunk_size=o.logprob_chunk,
         constraint_len=r.max_response_tokens if r.constrained_actions else 0,
-        micro_batch_rows=o.micro_batch_rows,
+        micro_batch_rows=o.micro_batch_rows, adapters_only=cfg.model.lora_rank > 0,
     )
 
 
@@ -243,14 +243,16 @@ def build_model(cfg: C.ExperimentConfig, tokenizer: Tokenizer, mesh: Any) -> tup
     """(ModelConfig, graphdef, params): random init from a preset, or weights of a local HF folder."""
     m = cfg.model
     try:
+        lora = dict(lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_targets=m.lora_targets)
+        seed = cfg.train.seed if m.init_seed is None else m.init_seed
         if m.path is not None:
             base = ModelConfig.from_hf_dir(m.path)
-            model_config = dataclasses.replace(base, dtype=m.dtype, **m.overrides)
-            model_config, graphdef, params = load_hf_params(m.path, model_config, mesh=mesh)
+            model_config = dataclasses.replace(base, dtype=m.dtype, **{**lora, **m.overrides})
+            model_config, graphdef, params = load_hf_params(m.path, model_config, mesh=mesh, lora_seed=seed)
         else:
             vocab = -(-tokenizer.vocab_size // 8) * 8
-            model_config = ModelConfig.preset(m.preset, vocab_size=vocab, dtype=m.dtype, **m.overrides)
-            seed = cfg.train.seed if m.init_seed is None else m.init_seed
+            model_config = ModelConfig.preset(m.preset, vocab_size=vocab, dtype=m.dtype,
+                                              **{**lora, **m.overrides})
             graphdef, params = shd.init_sharded(model_config, mesh, seed=seed)
     except (ValueError, TypeError) as err:
         raise C.ConfigError(f"model: {err}") from None

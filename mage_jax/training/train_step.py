@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mage_jax.algorithms import losses
 from mage_jax.constraints import constraint_masks
+from mage_jax.models import lora
 from mage_jax.models import sharding as shd
 
 TOKEN_FIELDS = ("tokens", "positions", "token_mask", "targets", "response_mask")
@@ -121,11 +122,17 @@ class StepConfig:
     """Response tokens over which a constraint automaton is replayed (0: no constrained rows)."""
     micro_batch_rows: int = 0
     """Rows per forward/backward pass inside one update (gradient accumulation); 0: the whole mini-batch."""
+    adapters_only: bool = False
+    """LoRA: gradients and optimizer state for the adapters only; the base parameters are frozen."""
 
 
 @flax.struct.dataclass
 class TrainState:
-    """Everything the update changes: parameters, optimizer state and the count of applied updates."""
+    """Everything the update changes: parameters, optimizer state and the count of applied updates.
+
+    ``params`` is always the whole model state; with ``StepConfig.adapters_only`` the optimizer state
+    mirrors the LoRA adapters alone and the base leaves pass through every update unchanged.
+    """
 
     params: Any
     opt_state: Any
@@ -201,7 +208,9 @@ class TrainStep:
     def init_state(self, params: Any) -> TrainState:
         """Optimizer state for ``params``, everything placed with the partition rules."""
         params = jax.device_put(params, shd.param_shardings(params, self.mesh))
-        opt_state = jax.jit(self.optimizer.init)(params)
+        if self.config.adapters_only and not lora.has_adapters(params):
+            raise ValueError("adapters_only needs a model with LoRA adapters (ModelConfig.lora_rank > 0)")
+        opt_state = jax.jit(self.optimizer.init)(self._trainable(params)[0])
         opt_state = jax.device_put(opt_state, shd.opt_state_shardings(opt_state, self.mesh))
         state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
         return jax.device_put(state, self.state_shardings(state))
@@ -229,6 +238,17 @@ class TrainStep:
         return jax.tree.map(place, batch)
 
     # ------------------------------------------------------------------ model
+    def _trainable(self, params: Any) -> tuple[Any, Any]:
+        """(what the optimizer updates, the frozen rest or None): the adapters and the base under
+        ``adapters_only``, else every parameter."""
+        if self.config.adapters_only:
+            return lora.split_adapters(params)
+        return params, None
+
+    @staticmethod
+    def _join(trainable: Any, frozen: Any) -> Any:
+        return trainable if frozen is None else nnx.merge_state(frozen, trainable)
+
     def _token_logprobs(self, params: Any, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(self.graphdef, params)
         hidden, _ = model(batch.tokens, batch.positions, batch.token_mask)
@@ -253,17 +273,23 @@ class TrainStep:
         return jnp.where(inside[:, :, None], picked, True)
 
     # ------------------------------------------------------------------ jitted entry points
-    def compute_logprobs(self, params: Any, batch: TrainBatch) -> jax.Array:
-        """log pi(target) at temperature 1, float32 [R, T] (0 outside the response)."""
+    def compute_logprobs(self, params: Any, batch: TrainBatch, *, adapters: bool = True) -> jax.Array:
+        """log pi(target) at temperature 1, float32 [R, T] (0 outside the response).
+
+        ``adapters=False`` switches LoRA adapters off (the frozen base model: the KL reference of a
+        LoRA run, computed from the same parameters without a second copy of the base).
+        """
         if self._logprobs is None:
 
-            def fn(params, batch):
+            def fn(params, batch, adapters):
+                if not adapters:
+                    params = lora.without_adapters(params)
                 logp, _ = self._token_logprobs(params, batch)
                 return jnp.where(batch.response_mask, logp, 0.0)
 
-            self._logprobs = jax.jit(fn, out_shardings=self._batch_sharding)
+            self._logprobs = jax.jit(fn, static_argnums=2, out_shardings=self._batch_sharding)
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
-            return self._logprobs(params, batch)
+            return self._logprobs(params, batch, adapters)
 
     def update(self, state: TrainState, batch: TrainBatch,
                lr_scale: float = 1.0) -> tuple[TrainState, dict[str, Any]]:
@@ -277,7 +303,8 @@ class TrainStep:
         bucket only recompiles the first.
         """
         if self._update is None:
-            self._grads = jax.jit(self._grads_fn, out_shardings=(self.state_shardings(state).params,
+            grad_shardings = self._trainable(self.state_shardings(state).params)[0]
+            self._grads = jax.jit(self._grads_fn, out_shardings=(grad_shardings,
                                                                   self._replicated))
             self._update = jax.jit(
                 self._apply_fn,
@@ -289,11 +316,12 @@ class TrainStep:
         return self._update(state, grads, metrics, jnp.float32(lr_scale))
 
     def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array], lr_scale: jax.Array):
-        updates, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params, frozen = self._trainable(state.params)
+        updates, new_opt_state = self.optimizer.update(grads, state.opt_state, params)
         # AdamW's updates (weight decay included) are proportional to the learning rate: scaling them
         # is the same as scaling the learning rate.
         updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
-        new_params = optax.apply_updates(state.params, updates)
+        new_params = optax.apply_updates(params, updates)
         # An overflowing step (a huge learning rate) can turn finite gradients into non-finite parameters.
         finite = (jnp.isfinite(metrics["loss"]) & all_finite(grads) & all_finite(new_params)
                   & all_finite(new_opt_state))
@@ -302,7 +330,7 @@ class TrainStep:
             return jnp.where(finite, new, old)
 
         new_state = TrainState(
-            params=jax.tree.map(keep_if_skipped, new_params, state.params),
+            params=self._join(jax.tree.map(keep_if_skipped, new_params, params), frozen),
             opt_state=jax.tree.map(keep_if_skipped, new_opt_state, state.opt_state),
             step=state.step + finite.astype(jnp.int32),
         )
@@ -345,7 +373,7 @@ class TrainStep:
             zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
                                  jax.eval_shape(self._micro_grads, params, batch, 1.0, 1.0))
             (grads, metrics), _ = jax.lax.scan(body, zeros, split_micro_batches(batch, micro))
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, self._trainable(params)[0])
         metrics = dict(metrics, response_tokens=batch.response_mask.sum().astype(jnp.float32))
         return grads, metrics
 
@@ -354,9 +382,10 @@ class TrainStep:
         aggregation (``agg_weight`` for loss terms, ``token_weight`` for token-mean diagnostics)."""
         cfg = self.config
         mask = batch.response_mask
+        trainable, frozen = self._trainable(params)
 
-        def loss_fn(params):
-            logp, entropy = self._token_logprobs(params, batch)
+        def loss_fn(trainable):
+            logp, entropy = self._token_logprobs(self._join(trainable, frozen), batch)
             pg_loss, pg_metrics = losses.ppo_loss(
                 logp, batch.old_logprobs, batch.advantages, mask,
                 clip_eps=cfg.clip_eps, dual_clip=cfg.dual_clip, agg_mode=cfg.aggregation,
@@ -379,7 +408,7 @@ class TrainStep:
             }
             return agg_weight * loss, metrics
 
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
         return grads, metrics
 
 

@@ -124,8 +124,11 @@ class Trainer:
         self._bar: Any = NoBar()
         self.step = parts.train_step()
         self.state = self.step.init_state(parts.init_params)
-        # The frozen reference for the KL term is the initial model (a copy: the train state is donated).
-        self.ref_params = jax.tree.map(jnp.copy, self.state.params) if cfg.optim.kl_coef > 0 else None
+        # The frozen reference for the KL term is the initial model: a copy (the train state is donated),
+        # or under LoRA the frozen base with the adapters off (computed from the train state, no copy).
+        self.use_reference = cfg.optim.kl_coef > 0
+        self.ref_params = (jax.tree.map(jnp.copy, self.state.params)
+                           if self.use_reference and not self.step.config.adapters_only else None)
         self.adv_cfg = advantage_config(cfg)
         self.length_buckets = row_length_buckets(cfg)
         self.base_key = jax.random.key(cfg.train.seed)
@@ -185,7 +188,7 @@ class Trainer:
         # on the device and each mini-batch gathers its rows from them.
         t1 = time.perf_counter()
         old = jnp.zeros(packed.tokens.shape, jnp.float32)
-        ref = jnp.zeros(packed.tokens.shape, jnp.float32) if self.ref_params is not None else None
+        ref = jnp.zeros(packed.tokens.shape, jnp.float32) if self.use_reference else None
         for idx in minibatch_indices(n, mb, permutation=np.argsort(row_lengths, kind="stable")):
             if self._stop.is_set():  # a safe point: the parameters are still the last iteration's
                 raise _Interrupted
@@ -195,7 +198,7 @@ class Trainer:
                 self.step.compute_logprobs(self.state.params, placed)[:len(real)])
             if ref is not None:
                 ref = ref.at[real, :placed.length].set(
-                    self.step.compute_logprobs(self.ref_params, placed)[:len(real)])
+                    self._reference_logprobs(placed)[:len(real)])
 
         # PPO epochs over shuffled mini-batches.
         step_metrics: list[dict[str, Any]] = []
@@ -253,6 +256,12 @@ class Trainer:
         out["success@last"] = curves["success"][-1]
         out["payoff@last"] = curves["payoff"][-1]
         return out
+
+    def _reference_logprobs(self, batch: TrainBatch) -> jax.Array:
+        """Log-probs of the KL reference: the initial model's copy, or the LoRA base (adapters off)."""
+        if self.ref_params is None:
+            return self.step.compute_logprobs(self.state.params, batch, adapters=False)
+        return self.step.compute_logprobs(self.ref_params, batch)
 
     def _rows_progress(self, iteration: int) -> Callable[[int], None] | None:
         """Progress inside the rollout of ``iteration`` on the bar: rows generated so far."""
