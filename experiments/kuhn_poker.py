@@ -59,7 +59,7 @@ import sys
 from collections.abc import Sequence
 
 from experiments.common import Preset
-from experiments.presets import EnvExperiment, paper_overrides, small_overrides
+from experiments.presets import EnvExperiment, paper_overrides, small_lora_overrides, small_overrides
 from mage_jax.evaluation.evaluator import EvalProtocol
 
 EXPERIMENT = "kuhn_poker"
@@ -115,11 +115,14 @@ TINY = {
 # local folder, reflections with the privileged-information hint of spec section 3, the paper's
 # Kuhn Poker column of spec section 8; ``paper`` runs in bfloat16 with state sharded over all devices.
 SMALL = {**_MAGE_KUHN, **small_overrides("kuhn_poker", privileged_reflection=True)}
+SMALL_LORA = {**_MAGE_KUHN, **small_lora_overrides("kuhn_poker", privileged_reflection=True)}
 PAPER = {**_MAGE_KUHN, **paper_overrides("kuhn_poker", privileged_reflection=True)}
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(TINY, "from-scratch 2-layer model, word-level tokenizer, CPU, minutes"),
     "small": Preset(SMALL, "Qwen3-0.6B from --model-path, reflections, full prompts", needs_model_path=True),
+    "small-lora": Preset(SMALL_LORA, "the small preset with LoRA adapters, for one 16 GB GPU (Colab T4)",
+                         needs_model_path=True),
     "paper": Preset(PAPER, "Qwen3-4B from --model-path, the paper's settings (spec section 8)",
                     needs_model_path=True),
 }

@@ -250,7 +250,9 @@ class TrainStep:
         return trainable if frozen is None else nnx.merge_state(frozen, trainable)
 
     def _token_logprobs(self, params: Any, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
-        model = nnx.merge(self.graphdef, params)
+        # Fresh variables: under LoRA the frozen base's come from outside the gradient's trace, and a
+        # rematerialised block may not update variables of another trace.
+        model = nnx.merge(self.graphdef, params, copy=True)
         hidden, _ = model(batch.tokens, batch.positions, batch.token_mask)
         allowed = self._allowed(batch) if batch.transitions is not None else None
         return losses.token_logprobs_and_entropy(
