@@ -152,10 +152,11 @@ def small_lora_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
     frozen in bfloat16 (the optimizer state covers the adapters only, ~10 M parameters) and the KL
     reference is the base with the adapters off, so no second copy exists. Activations are bfloat16;
     attention is blockwise because the T4 (sm75) has no cuDNN flash attention. The rollout is 4 tasks x
-    4 meta-episodes with 3072-token prompts and 512-token responses (KV cache ~3.3 GB), the update
-    runs 2-row micro-batches with every block rematerialised, and the learning rate is the usual
-    LoRA one (1e-5, ten times the full fine-tuning rate). Memory per program, measured ahead of time:
-    ``python -m experiments.benchmarks.lora_memory``.
+    4 meta-episodes with 2048-token prompts and 512-token responses (16 rows, and 16 meta-episodes per
+    evaluation split: a 4.7 GB KV cache), the update runs 2-row micro-batches with every block
+    rematerialised, log-probs are computed 128 tokens at a time (the [rows, chunk, vocab] logits
+    block), and the learning rate is the usual LoRA one (1e-5, ten times the full fine-tuning rate).
+    Memory per program, measured ahead of time: ``python -m experiments.benchmarks.lora_memory``.
     """
     return {
         **small_overrides(env, **kwargs),
@@ -165,13 +166,14 @@ def small_lora_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
         "model.overrides": {"remat": "full", "param_dtype": "bfloat16", "attention": "blockwise"},
         "rollout.num_tasks": 4,
         "rollout.group_size": 4,
-        "rollout.max_prompt_tokens": 3072,
+        "rollout.max_prompt_tokens": 2048,
         "rollout.max_response_tokens": 512,
         "optim.lr": 1e-5,
         "optim.mini_batch_rows": 16,
         "optim.micro_batch_rows": 2,
-        "train.eval_meta_episodes": 32,
-        "train.eval_heldout_meta_episodes": 32,
+        "optim.logprob_chunk": 128,
+        "train.eval_meta_episodes": 16,
+        "train.eval_heldout_meta_episodes": 16,
     }
 
 

@@ -9,7 +9,8 @@ the largest program peak plus what stays resident outside that program (the trai
 parameters and optimizer state are arguments of the update programs; while sampling, the optimizer
 state stays resident beside the sampler's arguments).
 
-    python -m experiments.benchmarks.lora_memory [--env kuhn_poker] [--layers 28] --out runs/bench/lora_memory.json
+    python -m experiments.benchmarks.lora_memory [--env kuhn_poker] [--layers 28] \
+        --out runs/bench/lora_memory.json
 
 On a CPU, ``--layers 3 4`` compiles two depths and extrapolates linearly to the model's depth (as
 ``attention_memory`` does); on a GPU the full depth compiles in seconds. Prints a table and writes the
@@ -55,7 +56,8 @@ def small_lora_setup(env: str, num_layers: int | None) -> Setup:
     mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
     shardings = shd.param_shardings(abstract, mesh)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
     o = cfg.optim
     schedule = learning_rate_schedule(o.lr, o.warmup_steps)
     optimizer = make_optimizer(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
@@ -131,8 +133,9 @@ def compile_programs(setup: Setup) -> dict[str, Any]:
         cache = jax.eval_shape(lambda: init_cache(setup.model_config, sampler_rows, prompt + new_tokens))
         cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), cache)
         args = (setup.params, cache, _rows_spec(setup, (sampler_rows, prompt), jnp.int32),
-                _rows_spec(setup, (sampler_rows, prompt), jnp.bool_), _rows_spec(setup, (sampler_rows,), jnp.int32),
-                None, jax.random.key(0), np.float32(1.0), np.float32(1.0))
+                _rows_spec(setup, (sampler_rows, prompt), jnp.bool_),
+                _rows_spec(setup, (sampler_rows,), jnp.int32), None, jax.random.key(0), np.float32(1.0),
+                np.float32(1.0))
         out["sampler"] = fn.lower(*args).compile()
     shapes = {"train_rows": rows, "train_length": length, "micro_batch_rows": cfg.optim.micro_batch_rows,
               "sampler_rows": sampler_rows, "prompt": prompt, "new_tokens": new_tokens,
@@ -165,7 +168,8 @@ def measure(env: str, layers: Sequence[int]) -> dict[str, Any]:
                        for p, m in measured[hi]["memory"].items()},
             "shapes": {**measured[hi]["shapes"], "kv_cache_bytes": line(
                 measured[lo]["shapes"]["kv_cache_bytes"], measured[hi]["shapes"]["kv_cache_bytes"])},
-            "resident": {k: line(measured[lo]["resident"][k], v) for k, v in measured[hi]["resident"].items()},
+            "resident": {k: line(measured[lo]["resident"][k], v)
+                         for k, v in measured[hi]["resident"].items()},
         }
     mem, resident = extrapolated["memory"], extrapolated["resident"]
     # Programs whose arguments include the train state see it in their peak; the others run beside it.
@@ -182,15 +186,16 @@ def _table(result: dict[str, Any], budget: float) -> str:
     lines = ["| program | arguments | outputs | temporaries | device peak |", "|---|---|---|---|---|"]
     for p in mem:
         m = mem[p]
-        lines.append(f"| {p} | {m['argument'] / GB:.2f} GB | {m['output'] / GB:.2f} GB | {m['temp'] / GB:.2f} GB "
-                     f"| {peak[p] / GB:.2f} GB |")
+        lines.append(f"| {p} | {m['argument'] / GB:.2f} GB | {m['output'] / GB:.2f} GB "
+                     f"| {m['temp'] / GB:.2f} GB | {peak[p] / GB:.2f} GB |")
     verdict = "fits" if result["peak"] <= budget * GB else "does not fit"
     lines.append(f"\npeak {result['peak'] / GB:.2f} GB per device: {verdict} in {budget:g} GB")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env", default="kuhn_poker")
     parser.add_argument("--layers", type=int, nargs="+", default=[28],
                         help="depth(s) compiled: the full depth, or two depths to extrapolate from")

@@ -105,7 +105,8 @@ def test_reference_logprobs_with_adapters_off_are_the_base_models(model, step):
     base = plain.compute_logprobs(lora.split_adapters(state.params)[1], placed)
     np.testing.assert_allclose(reference, np.asarray(base), atol=1e-6, rtol=0)
     # ... and the initial model (B = 0); the policy with its trained adapters differs.
-    np.testing.assert_allclose(reference, np.asarray(step.compute_logprobs(params, placed)), atol=1e-6, rtol=0)
+    initial = np.asarray(step.compute_logprobs(params, placed))
+    np.testing.assert_allclose(reference, initial, atol=1e-6, rtol=0)
     policy = np.asarray(step.compute_logprobs(state.params, placed))
     assert np.abs(policy - reference).max() > 1e-3
 
