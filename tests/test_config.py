@@ -73,6 +73,11 @@ def test_bad_override_is_one_clear_error(overrides, fragment):
         ({"sampling.eval.top_p": 0.0}, "sampling.eval.top_p"),
         ({"checkpoint.keep": 0}, "checkpoint.keep must be >= 1"),
         ({"model.path": "/does/not/exist"}, "model.path '/does/not/exist' is not a folder"),
+        ({"model.lora_rank": -2}, "model.lora_rank must be >= 0 (got -2)"),
+        ({"model.lora_rank": 8, "model.lora_alpha": 0.0}, "model.lora_alpha must be > 0"),
+        ({"model.lora_rank": 8, "model.lora_targets": "q_proj,lm_head"},
+         "model.lora_targets must be a non-empty list of q_proj, k_proj"),
+        ({"model.lora_rank": 8, "model.lora_targets": ""}, "model.lora_targets must be a non-empty list"),
     ],
 )
 def test_impossible_values_fail_validation(overrides, fragment):

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from experiments import presets
 from experiments.common import parse_command_line
 from experiments.environments import ENVIRONMENTS, environment
 from mage_jax import config as C
@@ -47,7 +48,17 @@ def test_tiny_preset_is_a_from_scratch_cpu_config(env):
 
 
 @pytest.mark.parametrize("env", ENVS)
-@pytest.mark.parametrize("preset", ["small", "paper"])
+def test_every_environment_has_a_lora_variant_of_small_for_one_16gb_gpu(env, model_dir):
+    cfg = environment(env).config("small-lora", {"model.path": model_dir})
+    small = environment(env).config("small", {"model.path": model_dir})
+    assert (cfg.model.lora_rank, cfg.model.preset, cfg.model.dtype) == (16, small.model.preset, "bfloat16")
+    assert cfg.model.overrides["param_dtype"] == "bfloat16" and cfg.model.overrides["remat"] == "full"
+    assert cfg.rollout.num_tasks * cfg.rollout.group_size < small.rollout.num_tasks * small.rollout.group_size
+    assert "t4-16gb" in presets.small_lora_overrides.__doc__
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("preset", ["small", "small-lora", "paper"])
 def test_pretrained_presets_without_a_model_folder_fail_with_one_line(env, preset):
     with pytest.raises(C.ConfigError) as err:
         environment(env).config(preset)
@@ -139,7 +150,7 @@ def test_paper_sokoban_propagates_across_episodes_with_gamma_09(model_dir):
 
 
 @pytest.mark.parametrize("module", MODULES)
-@pytest.mark.parametrize("preset", ["tiny", "small", "paper"])
+@pytest.mark.parametrize("preset", ["tiny", "small", "small-lora", "paper"])
 def test_command_line_of_every_module_and_preset_builds_the_config(module, preset, model_dir, webshop_data,
                                                                    tmp_path):
     mod = importlib.import_module(module)
