@@ -248,6 +248,11 @@ class CheckpointConfig:
     """Save every k iterations (and at the end, and on SIGTERM); 0: only at the end."""
     keep: int = 2
     """Keep the last k checkpoints."""
+    stop_during_updates: bool = True
+    """Honour SIGTERM / Ctrl-C between the PPO updates of an iteration (saving the state it started
+    from) by keeping that state beside the updated one: one more copy of parameters and optimizer state
+    on the device during the updates, unless the previous iteration is on disk. False: no copy, and a
+    stop request during the updates waits for them to end."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -265,28 +265,30 @@ class TrainStep:
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
             return self._logprobs(params, batch)
 
-    def update(self, state: TrainState, batch: TrainBatch,
-               lr_scale: float = 1.0) -> tuple[TrainState, dict[str, Any]]:
-        """One optimizer step on one mini-batch (``state`` is donated).
+    def update(self, state: TrainState, batch: TrainBatch, lr_scale: float = 1.0, *,
+               donate: bool = True) -> tuple[TrainState, dict[str, Any]]:
+        """One optimizer step on one mini-batch (``state`` is donated unless ``donate=False``).
 
         ``lr_scale`` multiplies the step (a run-level decay of the learning rate, e.g. cosine over the
-        iterations; a traced scalar, so changing it never recompiles).
+        iterations; a traced scalar, so changing it never recompiles). ``donate=False`` leaves
+        ``state`` intact beside the new one (the trainer keeps an iteration's starting state that
+        way, to save it when a stop request lands during the updates); the new state then needs
+        buffers of its own.
 
         Two jitted programs: the loss and gradients (compiled once per mini-batch shape) and the
-        optimizer step with the non-finite skip (shape independent, compiled once), so a new length
-        bucket only recompiles the first.
+        optimizer step with the non-finite skip (shape independent, compiled once per ``donate``),
+        so a new length bucket only recompiles the first.
         """
         if self._update is None:
             self._grads = jax.jit(self._grads_fn, out_shardings=(self.state_shardings(state).params,
                                                                   self._replicated))
-            self._update = jax.jit(
-                self._apply_fn,
-                donate_argnums=(0,),
-                out_shardings=(self.state_shardings(state), self._replicated),
-            )
+            out_shardings = (self.state_shardings(state), self._replicated)
+            self._update = jax.jit(self._apply_fn, donate_argnums=(0,), out_shardings=out_shardings)
+            self._update_kept = jax.jit(self._apply_fn, out_shardings=out_shardings)
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
             grads, metrics = self._grads(state.params, batch)
-        return self._update(state, grads, metrics, jnp.float32(lr_scale))
+        apply = self._update if donate else self._update_kept
+        return apply(state, grads, metrics, jnp.float32(lr_scale))
 
     def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array], lr_scale: jax.Array):
         updates, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)
