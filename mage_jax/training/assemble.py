@@ -84,7 +84,7 @@ def step_config(cfg: C.ExperimentConfig) -> StepConfig:
         clip_eps=o.clip_eps, dual_clip=o.dual_clip, entropy_coef=o.entropy_coef, kl_coef=o.kl_coef,
         kl_kind=o.kl_kind, aggregation=o.aggregation, chunk_size=o.logprob_chunk,
         constraint_len=r.max_response_tokens if r.constrained_actions else 0,
-        micro_batch_rows=o.micro_batch_rows,
+        micro_batch_rows=o.micro_batch_rows, max_update_ratio=o.max_update_ratio,
     )
 
 

@@ -14,7 +14,10 @@ state keep the partition rules of ``mage_jax.models.sharding``. On one CPU devic
   ``clip_by_global_norm`` + AdamW. A non-finite loss, gradient or updated state (parameters and
   optimizer moments, one all-finite flag reduced inside the step) skips the update: parameters and
   optimizer state are kept (``jnp.where`` over the tree) and ``skipped = 1`` is reported, so a
-  non-finite state never leaves the step.
+  non-finite state never leaves the step. So does a finite update that is too large for the
+  parameters: ``update_ratio = ||delta|| / ||params||`` (global norms, two reductions) above
+  ``max_update_ratio`` (a learning rate of 1e30 gives ~1e31 and parameters that stay finite for one
+  update, then diverged sampling; normal runs stay below ~0.05, see ``OptimConfig.max_update_ratio``).
 
 Constrained decoding: when rows were sampled under a token automaton, the recompute replays it
 (``constraints.constraint_masks``) so the log-probs describe the same constrained distribution the
@@ -121,6 +124,8 @@ class StepConfig:
     """Response tokens over which a constraint automaton is replayed (0: no constrained rows)."""
     micro_batch_rows: int = 0
     """Rows per forward/backward pass inside one update (gradient accumulation); 0: the whole mini-batch."""
+    max_update_ratio: float = 1.0
+    """Skip an update whose global norm exceeds this multiple of the parameters' global norm (0: never)."""
 
 
 @flax.struct.dataclass
@@ -167,6 +172,18 @@ def make_optimizer(
         optax.clip_by_global_norm(grad_clip),
         optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay),
     )
+
+
+def global_norm(tree: Any) -> jax.Array:
+    """The float32 L2 norm of all leaves of ``tree`` together, scaled by the largest magnitude first so
+    that a huge tree (an update of 1e30) gives its norm, not an overflowed inf."""
+    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
+    if not leaves:
+        return jnp.float32(0.0)
+    scale = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
+    scale = jnp.where((scale > 0) & jnp.isfinite(scale), scale, jnp.float32(1.0))
+    squares = [jnp.sum(jnp.square(x / scale)) for x in leaves]
+    return scale * jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -299,6 +316,10 @@ class TrainStep:
         # An overflowing step (a huge learning rate) can turn finite gradients into non-finite parameters.
         finite = (jnp.isfinite(metrics["loss"]) & all_finite(grads) & all_finite(new_params)
                   & all_finite(new_opt_state))
+        # A finite but huge one leaves parameters that sampling then turns into NaN: skip it as well.
+        ratio = global_norm(updates) / jnp.maximum(global_norm(state.params), jnp.finfo(jnp.float32).tiny)
+        if self.config.max_update_ratio > 0:
+            finite = finite & (ratio <= self.config.max_update_ratio)
 
         def keep_if_skipped(new, old):
             return jnp.where(finite, new, old)
@@ -313,6 +334,7 @@ class TrainStep:
             grad_norm=optax.global_norm(grads),
             lr=jnp.asarray(self.schedule(state.step), jnp.float32) * lr_scale,
             skipped=(~finite).astype(jnp.float32),
+            update_ratio=ratio,
         )
         return new_state, metrics
 

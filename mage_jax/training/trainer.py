@@ -80,6 +80,8 @@ from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows, lr
 EXIT_SECOND_INTERRUPT = 130
 """Exit status of a second Ctrl-C (the shell's 128 + SIGINT): nothing is saved."""
 SUMMED_STEP_METRICS = ("skipped", "response_tokens")
+MAX_STEP_METRICS = ("update_ratio",)
+"""Reported as the largest value of the iteration's updates (the others: their mean)."""
 ROLLOUT_STATS = ("rows", "invalid_ratio", "response_length_mean", "response_length_max", "episodes_run_mean",
                  "truncated_responses", "overflow_invalid")
 
@@ -229,7 +231,10 @@ class Trainer:
         out: dict[str, float] = {}
         for name in step_metrics[0]:
             values = [m[name] for m in step_metrics]
-            out[name] = float(np.sum(values)) if name in SUMMED_STEP_METRICS else float(np.mean(values))
+            if name in SUMMED_STEP_METRICS:
+                out[name] = float(np.sum(values))
+            else:
+                out[name] = float(np.max(values)) if name in MAX_STEP_METRICS else float(np.mean(values))
         out["updates"] = float(len(step_metrics))
         longest = self.consecutive_skips
         for m in step_metrics:
@@ -306,8 +311,9 @@ class Trainer:
         if limit > 0 and longest >= limit:
             raise TrainingStopped(
                 f"{longest} consecutive updates were skipped by iteration {iteration} (non-finite loss, "
-                f"gradients or parameters; optim.max_skipped_updates={limit}): lower optim.lr or check "
-                f"the inputs; {self._last_checkpoint_note()}")
+                f"gradients or parameters, or larger than optim.max_update_ratio="
+                f"{self.cfg.optim.max_update_ratio:g} times the parameters; optim.max_skipped_updates="
+                f"{limit}): lower optim.lr or check the inputs; {self._last_checkpoint_note()}")
 
     def _last_checkpoint_note(self) -> str:
         step = self.checkpointer.latest_step()
@@ -427,7 +433,8 @@ class Trainer:
             self._checkpoint(iteration)
             if self.skipped_updates:
                 print(f"warning: {self.skipped_updates} updates were skipped (non-finite loss, gradients or "
-                      "parameters); see 'skipped' in metrics.jsonl", file=sys.stderr)
+                      "parameters, or over optim.max_update_ratio); see 'skipped' in metrics.jsonl",
+                      file=sys.stderr)
             return TrainResult(status, iteration, final, self.skipped_updates)
         finally:
             bar.close()
