@@ -87,7 +87,8 @@ def test_damage_seen_by_one_process_falls_back_identically_on_both(saved, tmp_pa
     root = tmp_path / "ckpt"
     shutil.copytree(saved, root)
     damage(process_1_data(root / "2"))
-    runs = run_processes(CODE.format(root=str(root), phase="restore"), n=2, devices_per_process=4, timeout=150)
+    code = CODE.format(root=str(root), phase="restore")
+    runs = run_processes(code, n=2, devices_per_process=4, timeout=150)
     for run in runs:
         # step 1 restored intact on both; then step 2 saved again and restored
         assert results(run) == [{"iteration": 1, "intact": True, "steps": [1]},
