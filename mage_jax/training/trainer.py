@@ -36,10 +36,11 @@ is honoured at the next safe point, and the run ends with status ``interrupted``
   is saved at once, marked ``pending_evaluation``, and a resumed run evaluates it first (once: records
   of the abandoned evaluation were never written).
 
-Safety. Updates whose loss, gradients or new state are non-finite are skipped inside the jitted step
-and counted (``skipped`` per iteration, ``skipped_updates`` in total); ``optim.max_skipped_updates``
-consecutive skips, or an iteration in which every row is invalid (nothing to learn from), stop the run
-with one ``TrainingStopped`` line, saving nothing more. A state that is not finite is never saved.
+Safety. Updates whose loss, gradients or new state are non-finite, or whose size exceeds
+``optim.max_update_ratio`` times the parameters', are skipped inside the jitted step and counted
+(``skipped`` per iteration, ``skipped_updates`` in total); ``optim.max_skipped_updates`` consecutive
+skips, or an iteration in which every row is invalid (nothing to learn from), stop the run with one
+``TrainingStopped`` line, saving nothing more. A state that is not finite is never saved.
 """
 
 from __future__ import annotations

@@ -87,6 +87,41 @@ def test_a_signal_during_the_updates_saves_the_iteration_start_exits_75_and_resu
     assert comparable(run_dir) == comparable(reference_dir)
 
 
+def test_without_stop_during_updates_no_copy_is_kept_and_the_updates_finish_first(reference, tmp_path,
+                                                                                 monkeypatch):
+    """checkpoint.stop_during_updates=false: every update donates (no second state in memory), so the
+    same signal is honoured only after iteration 2's updates, at its evaluation's first turn."""
+    reference_dir, args = reference
+    run_dir = tmp_path / "run"
+    original_iteration, original_update = trainer_module.Trainer.train_iteration, TrainStep.update
+    seen = {"iteration": 0, "updates": []}
+
+    def train_iteration(self, iteration):
+        seen["iteration"] = iteration
+        return original_iteration(self, iteration)
+
+    def update(self, state, batch, lr_scale=1.0, *, donate=True):
+        if seen["iteration"] == 2:
+            seen["updates"].append(donate)
+        out = original_update(self, state, batch, lr_scale, donate=donate)
+        if seen["iteration"] == 2 and len(seen["updates"]) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", train_iteration)
+    monkeypatch.setattr(TrainStep, "update", update)
+    argv = [*args, "--set", "checkpoint.stop_during_updates=false", "--run-dir", str(run_dir)]
+    assert kuhn_poker.main(argv) == EXIT_INTERRUPTED
+    records = read_jsonl(str(run_dir))
+    assert all(seen["updates"]) and len(seen["updates"]) == records[-1]["updates"] > 2
+    assert [(r["iteration"], r["split"]) for r in records] == [(1, "train"), (2, "train")]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2"]
+    assert checkpoint_meta(run_dir, 2)["pending_evaluation"] is True
+    monkeypatch.undo()
+    assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume"]) == 0
+    assert comparable(run_dir) == comparable(reference_dir)
+
+
 @pytest.mark.parametrize("which", ["iteration 2", "final"])
 def test_a_signal_during_an_evaluation_saves_the_updated_state_exits_75_and_evaluates_once_on_resume(
         reference, tmp_path, monkeypatch, capsys, which):
