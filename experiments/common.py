@@ -44,7 +44,8 @@ an iteration has no valid row); one ``error:`` line names the cause and the last
 EXIT_INTERRUPTED = 75
 """SIGTERM / SIGINT: a checkpoint was saved and the exact ``--resume`` command printed (EX_TEMPFAIL: a
 scheduler may simply run that command again). A second Ctrl-C exits at once with 130, saving nothing."""
-RESUMABLE_KEYS = ("train.iterations", "train.eval_every", "checkpoint.every", "checkpoint.keep", "logging.")
+RESUMABLE_KEYS = ("train.iterations", "train.eval_every", "checkpoint.every", "checkpoint.keep",
+                  "checkpoint.stop_during_updates", "logging.")
 """What ``--resume`` may change: how long the run goes on, its evaluation and checkpoint cadences and its
 logging. Everything else (shapes, data, algorithm) is the run's and stays as saved."""
 

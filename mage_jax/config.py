@@ -227,8 +227,12 @@ class OptimConfig:
     logprob_chunk: int = 512
     """Tokens per chunk in the log-prob computation (bounds the [chunk, vocab] logits buffer)."""
     max_skipped_updates: int = 10
-    """Consecutive skipped updates (non-finite loss, gradients or updated parameters) after which the
-    run stops with one error line and saves nothing more; 0 never stops."""
+    """Consecutive skipped updates (non-finite loss, gradients or updated parameters, or an update over
+    ``max_update_ratio``) after which the run stops with one error line and saves nothing more; 0 never
+    stops."""
+    max_update_ratio: float = 1.0
+    """Skip an update whose size exceeds this multiple of the parameters' (global norms: ||delta|| /
+    ||params||), e.g. from a learning rate far too large; 0: never. Normal runs measure below ~0.05."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +260,11 @@ class CheckpointConfig:
     """Save every k iterations (and at the end, and on SIGTERM); 0: only at the end."""
     keep: int = 2
     """Keep the last k checkpoints."""
+    stop_during_updates: bool = True
+    """Honour SIGTERM / Ctrl-C between the PPO updates of an iteration (saving the state it started
+    from) by keeping that state beside the updated one: one more copy of parameters and optimizer state
+    on the device during the updates, unless the previous iteration is on disk. False: no copy, and a
+    stop request during the updates waits for them to end."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -677,6 +686,7 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     _check(o.entropy_coef >= 0, f"optim.entropy_coef must be >= 0 (got {o.entropy_coef})")
     _check(o.kl_coef >= 0, f"optim.kl_coef must be >= 0 (got {o.kl_coef})")
     _check(o.logprob_chunk >= 1, "optim.logprob_chunk must be >= 1")
+    _check(o.max_update_ratio >= 0, f"optim.max_update_ratio must be >= 0 (got {o.max_update_ratio})")
     _check(o.max_skipped_updates >= 0,
            f"optim.max_skipped_updates must be >= 0 (got {o.max_skipped_updates})")
     # loop

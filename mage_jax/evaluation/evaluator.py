@@ -25,6 +25,7 @@ The trainer receives an ``Evaluator`` in its constructor and calls ``evaluate`` 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -39,6 +40,7 @@ from mage_jax.progress import progress_bar
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutResult, RunnerConfig
 from mage_jax.rollout.policy import Policy, RandomLegalPolicy
 from mage_jax.rollout.rows import Row
+from mage_jax.rollout.stopping import StoppablePolicy
 from mage_jax.rollout.tasks import Task, TaskSampler
 
 KUHN_POKER = "kuhn_poker"
@@ -210,8 +212,13 @@ class Evaluator:
             self._references[split] = ref
         return self._references[split]
 
-    def evaluate(self, params: Any, key: jax.Array, *, heldout: bool) -> dict[str, SplitResult]:
-        """{split: SplitResult} of the parameter state ``params``; ``key`` seeds the sampling."""
+    def evaluate(self, params: Any, key: jax.Array, *, heldout: bool,
+                 stop: threading.Event | None = None) -> dict[str, SplitResult]:
+        """{split: SplitResult} of the parameter state ``params``; ``key`` seeds the sampling.
+
+        Once ``stop`` is set, the next turn of the evaluation raises ``rollout.stopping.Interrupted``
+        (the training loop then saves its state at once and evaluates again on resume).
+        """
         chunk = max(self.cfg.rollout.num_tasks * self.cfg.rollout.group_size, 128)
         out: dict[str, SplitResult] = {}
         extra = {s.name: i for i, s in enumerate(self.protocol.extra_splits)}
@@ -227,6 +234,8 @@ class Evaluator:
             for c_index, start in enumerate(range(0, len(tasks), chunk)):
                 policy = self.parts.policy(params, jax.random.fold_in(split_key, offset + c_index),
                                            evaluation=True)
+                if stop is not None:
+                    policy = StoppablePolicy(policy, stop)
                 result = runner.run(tasks[start:start + chunk], policy, training=False)
                 outcomes += result.outcomes
                 rows += result.rows

@@ -85,6 +85,7 @@ def step_config(cfg: C.ExperimentConfig) -> StepConfig:
         kl_kind=o.kl_kind, aggregation=o.aggregation, chunk_size=o.logprob_chunk,
         constraint_len=r.max_response_tokens if r.constrained_actions else 0,
         micro_batch_rows=o.micro_batch_rows, adapters_only=cfg.model.lora_rank > 0,
+        max_update_ratio=o.max_update_ratio,
     )
 
 

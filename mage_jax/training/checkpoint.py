@@ -15,6 +15,14 @@ an edited meta file). Restoring verifies every array and the meta against the ch
 latest step is moved aside to ``<step>.damaged`` (so a resumed run can save that step again) and the
 newest intact older step is restored, with one warning line naming what was skipped. Only when no
 step is intact does restoring fail, with one ``CheckpointError`` line.
+
+Several processes (multi-host). Each process hashes the shards it holds; at a save the digests of
+all processes are gathered (one collective) and written as one list per array, so every process
+verifies its own shards on restore. Whether a step is intact is then agreed (one collective per step
+tried: intact only if intact on every process), so all processes restore the same step even when
+the damage lies in the data only one of them reads, and only process 0 moves a damaged step aside
+(the others wait for it at a barrier). A checkpoint can only be verified by as many processes as
+wrote it.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from mage_jax.config import ConfigError
 
@@ -89,6 +98,25 @@ def state_digests(state: Any) -> dict[str, str]:
     return {jax.tree_util.keystr(path): d for (path, _), d in zip(leaves, digests)}
 
 
+def gather_digests(local: Mapping[str, str]) -> dict[str, Any]:
+    """The checksum entry of each array: its digest (one process), or the list of every process's
+    digest of its own shards, in process order (one collective)."""
+    if jax.process_count() == 1:
+        return dict(local)
+    paths = sorted(local)
+    n = jax.process_count()
+    values = np.array([int(local[p], 16) for p in paths], dtype=np.uint32)
+    gathered = np.asarray(multihost_utils.process_allgather(values)).reshape(n, len(paths))
+    return {p: [f"{int(gathered[i, j]):08x}" for i in range(n)] for j, p in enumerate(paths)}
+
+
+def _all_agree(ok: bool) -> bool:
+    """True when ``ok`` holds on every process (one collective with several processes)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(np.asarray(multihost_utils.process_allgather(np.array([ok], dtype=np.int32)))))
+
+
 def state_signature(state: Any) -> dict[str, list[Any]]:
     """``{tree path: [shape, dtype name]}`` of every leaf (arrays, shape structs or scalars)."""
     def signature(leaf: Any) -> list[Any]:
@@ -129,7 +157,10 @@ def verify(state: Any, meta: Mapping[str, Any], checksums: Any) -> None:
     if set(actual) != set(expected):
         raise DamagedCheckpoint("its arrays do not match the checksum list")
     for path, digest in actual.items():
-        if digest != expected[path]:
+        entry = expected[path]
+        if isinstance(entry, list):  # written by several processes: this process's shards
+            entry = entry[jax.process_index()] if len(entry) == jax.process_count() else None
+        if digest != entry:
             raise DamagedCheckpoint(f"array {path} does not match its checksum")
 
 
@@ -147,6 +178,16 @@ class Checkpointer:
         )
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "meta", "checksums"))
+        self._reader = self._manager
+        if jax.process_count() > 1:
+            # Restores read only this process's shards and need no other process: with the process as
+            # its own group a failed read skips no barrier that the others then wait at forever.
+            alone = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
+                                                       active_processes={jax.process_index()})
+            self._reader = ocp.CheckpointManager(
+                self.directory, item_names=("state", "meta", "checksums"),
+                options=ocp.CheckpointManagerOptions(create=False,
+                                                     multiprocessing_options=alone))
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -162,7 +203,7 @@ class Checkpointer:
         if iteration in self._manager.all_steps():
             return False
         meta = dict(meta)
-        checksums = {"arrays": state_digests(state), "shapes": state_signature(state),
+        checksums = {"arrays": gather_digests(state_digests(state)), "shapes": state_signature(state),
                      "meta": meta_digest(meta)}
         saved = self._manager.save(
             iteration,
@@ -184,6 +225,8 @@ class Checkpointer:
         checkpoint at all.
         """
         _drop_orbax_leftovers()
+        if self._reader is not self._manager:
+            self._reader.reload()
         steps = sorted(self._manager.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
@@ -193,17 +236,15 @@ class Checkpointer:
             if step not in steps:
                 raise CheckpointError(f"no checkpoint of step {step} in {self.directory} "
                                       f"(steps: {sorted(steps) or 'none'})")
-            try:
-                return self._restore_verified(template, step)
-            except DamagedCheckpoint as err:
-                raise CheckpointError(
-                    f"checkpoint step {step} in {self.directory} is damaged: {err}") from None
+            restored, damage = self._restore_agreed(template, step)
+            if damage is not None:
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged: {damage}")
+            return restored
         skipped: list[str] = []
         for candidate in steps:
-            try:
-                restored = self._restore_verified(template, candidate)
-            except DamagedCheckpoint as err:
-                skipped.append(f"step {candidate} ({err})")
+            restored, damage = self._restore_agreed(template, candidate)
+            if damage is not None:
+                skipped.append(f"step {candidate} ({damage})")
                 continue
             if skipped:
                 for bad in steps[: steps.index(candidate)]:
@@ -220,7 +261,7 @@ class Checkpointer:
             raise CheckpointError(
                 f"no checkpoint of step {step} in {self.directory} (steps: {sorted(steps)})")
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(
+            restored = self._reader.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(_abstract(template)), meta=ocp.args.JsonRestore()))
         except Exception as err:
             first = str(err).strip().splitlines()[0][:100] if str(err).strip() else type(err).__name__
@@ -230,9 +271,22 @@ class Checkpointer:
               "unverified", file=sys.stderr)
         return restored["state"], dict(restored["meta"])
 
+    def _restore_agreed(self, template: Any, step: int) -> tuple[Any, str | None]:
+        """``(restored, None)``, or ``(None, why)`` when ``step`` is damaged on any process (every process
+        reaches the one agreement, whatever failed where, so none waits for another forever)."""
+        try:
+            restored, damage = self._restore_verified(template, step), None
+        except DamagedCheckpoint as err:
+            restored, damage = None, str(err)
+        if _all_agree(damage is None):
+            return restored, None
+        if damage is None:
+            return None, "damaged as another process reads it"
+        return None, damage if jax.process_count() == 1 else f"{damage}, on process {jax.process_index()}"
+
     def _restore_verified(self, template: Any, step: int) -> tuple[Any, dict[str, Any]]:
         try:
-            checksums = self._manager.restore(step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))
+            checksums = self._reader.restore(step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))
             saved = checksums["checksums"]["shapes"]
             if not isinstance(saved, Mapping):
                 raise TypeError("shapes is not an object")
@@ -240,12 +294,17 @@ class Checkpointer:
             reason = type(err).__name__
             raise DamagedCheckpoint(f"its checksums are missing or unreadable ({reason})") from None
         difference = _mismatch(saved, state_signature(template))
+        arrays = checksums["checksums"].get("arrays")
+        arrays = arrays if isinstance(arrays, Mapping) else {}
+        writers = {len(v) for v in arrays.values() if isinstance(v, list)}
+        if difference is None and writers and writers != {jax.process_count()}:
+            difference = f"it was written by {max(writers)} processes, this run has {jax.process_count()}"
         if difference is not None:
             raise CheckpointMismatch(
                 f"checkpoint step {step} in {self.directory} does not fit this run's model / optimizer: "
                 f"{difference}; resume with the config it was saved with")
         try:
-            restored = self._manager.restore(
+            restored = self._reader.restore(
                 step,
                 args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(_abstract(template)), meta=ocp.args.JsonRestore(),
@@ -266,18 +325,25 @@ class Checkpointer:
         return restored["state"], meta
 
     def _move_aside(self, step: int) -> None:
-        source = os.path.join(self.directory, str(step))
-        target = source + DAMAGED_SUFFIX
-        n = 1
-        while os.path.exists(target):
-            n += 1
-            target = f"{source}{DAMAGED_SUFFIX}{n}"
-        os.replace(source, target)
+        """Rename a damaged step (process 0 only; every process waits for it, then rereads the steps)."""
+        if jax.process_index() == 0:
+            source = os.path.join(self.directory, str(step))
+            target = source + DAMAGED_SUFFIX
+            n = 1
+            while os.path.exists(target):
+                n += 1
+                target = f"{source}{DAMAGED_SUFFIX}{n}"
+            os.replace(source, target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"checkpoint step {step} moved aside")
+            self._reader.reload()
         self._manager.reload()
 
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+        if self._reader is not self._manager:
+            self._reader.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -14,7 +14,10 @@ state keep the partition rules of ``mage_jax.models.sharding``. On one CPU devic
   ``clip_by_global_norm`` + AdamW. A non-finite loss, gradient or updated state (parameters and
   optimizer moments, one all-finite flag reduced inside the step) skips the update: parameters and
   optimizer state are kept (``jnp.where`` over the tree) and ``skipped = 1`` is reported, so a
-  non-finite state never leaves the step.
+  non-finite state never leaves the step. So does a finite update that is too large for the
+  parameters: ``update_ratio = ||delta|| / ||params||`` (global norms, two reductions) above
+  ``max_update_ratio`` (a learning rate of 1e30 gives ~1e31 and parameters that stay finite for one
+  update, then diverged sampling; normal runs stay below ~0.05, see ``OptimConfig.max_update_ratio``).
 
 Constrained decoding: when rows were sampled under a token automaton, the recompute replays it
 (``constraints.constraint_masks``) so the log-probs describe the same constrained distribution the
@@ -124,6 +127,8 @@ class StepConfig:
     """Rows per forward/backward pass inside one update (gradient accumulation); 0: the whole mini-batch."""
     adapters_only: bool = False
     """LoRA: gradients and optimizer state for the adapters only; the base parameters are frozen."""
+    max_update_ratio: float = 1.0
+    """Skip an update whose global norm exceeds this multiple of the parameters' global norm (0: never)."""
 
 
 @flax.struct.dataclass
@@ -174,6 +179,18 @@ def make_optimizer(
         optax.clip_by_global_norm(grad_clip),
         optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay),
     )
+
+
+def global_norm(tree: Any) -> jax.Array:
+    """The float32 L2 norm of all leaves of ``tree`` together, scaled by the largest magnitude first so
+    that a huge tree (an update of 1e30) gives its norm, not an overflowed inf."""
+    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
+    if not leaves:
+        return jnp.float32(0.0)
+    scale = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
+    scale = jnp.where((scale > 0) & jnp.isfinite(scale), scale, jnp.float32(1.0))
+    squares = [jnp.sum(jnp.square(x / scale)) for x in leaves]
+    return scale * jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -293,29 +310,31 @@ class TrainStep:
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
             return self._logprobs(params, batch, adapters)
 
-    def update(self, state: TrainState, batch: TrainBatch,
-               lr_scale: float = 1.0) -> tuple[TrainState, dict[str, Any]]:
-        """One optimizer step on one mini-batch (``state`` is donated).
+    def update(self, state: TrainState, batch: TrainBatch, lr_scale: float = 1.0, *,
+               donate: bool = True) -> tuple[TrainState, dict[str, Any]]:
+        """One optimizer step on one mini-batch (``state`` is donated unless ``donate=False``).
 
         ``lr_scale`` multiplies the step (a run-level decay of the learning rate, e.g. cosine over the
-        iterations; a traced scalar, so changing it never recompiles).
+        iterations; a traced scalar, so changing it never recompiles). ``donate=False`` leaves
+        ``state`` intact beside the new one (the trainer keeps an iteration's starting state that
+        way, to save it when a stop request lands during the updates); the new state then needs
+        buffers of its own.
 
         Two jitted programs: the loss and gradients (compiled once per mini-batch shape) and the
-        optimizer step with the non-finite skip (shape independent, compiled once), so a new length
-        bucket only recompiles the first.
+        optimizer step with the non-finite skip (shape independent, compiled once per ``donate``),
+        so a new length bucket only recompiles the first.
         """
         if self._update is None:
             grad_shardings = self._trainable(self.state_shardings(state).params)[0]
             self._grads = jax.jit(self._grads_fn, out_shardings=(grad_shardings,
                                                                   self._replicated))
-            self._update = jax.jit(
-                self._apply_fn,
-                donate_argnums=(0,),
-                out_shardings=(self.state_shardings(state), self._replicated),
-            )
+            out_shardings = (self.state_shardings(state), self._replicated)
+            self._update = jax.jit(self._apply_fn, donate_argnums=(0,), out_shardings=out_shardings)
+            self._update_kept = jax.jit(self._apply_fn, out_shardings=out_shardings)
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
             grads, metrics = self._grads(state.params, batch)
-        return self._update(state, grads, metrics, jnp.float32(lr_scale))
+        apply = self._update if donate else self._update_kept
+        return apply(state, grads, metrics, jnp.float32(lr_scale))
 
     def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array], lr_scale: jax.Array):
         params, frozen = self._trainable(state.params)
@@ -327,6 +346,10 @@ class TrainStep:
         # An overflowing step (a huge learning rate) can turn finite gradients into non-finite parameters.
         finite = (jnp.isfinite(metrics["loss"]) & all_finite(grads) & all_finite(new_params)
                   & all_finite(new_opt_state))
+        # A finite but huge one leaves parameters that sampling then turns into NaN: skip it as well.
+        ratio = global_norm(updates) / jnp.maximum(global_norm(state.params), jnp.finfo(jnp.float32).tiny)
+        if self.config.max_update_ratio > 0:
+            finite = finite & (ratio <= self.config.max_update_ratio)
 
         def keep_if_skipped(new, old):
             return jnp.where(finite, new, old)
@@ -341,6 +364,7 @@ class TrainStep:
             grad_norm=optax.global_norm(grads),
             lr=jnp.asarray(self.schedule(state.step), jnp.float32) * lr_scale,
             skipped=(~finite).astype(jnp.float32),
+            update_ratio=ratio,
         )
         return new_state, metrics
 

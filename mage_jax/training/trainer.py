@@ -19,17 +19,28 @@ function of (seed, i), so a run resumed from the checkpoint of iteration k write
 an uninterrupted run writes (on CPU).
 
 Stopping. SIGTERM and SIGINT (Ctrl-C) ask the loop to stop; a second SIGINT exits at once. The request
-is honoured at the next safe point: between turns of the training rollout and between the mini-batches
-of the log-prob recompute the iteration is abandoned (the parameters are still those of the last
-completed iteration, which is saved unless already on disk, and a resumed run replays the abandoned
-iteration exactly); once the PPO updates have begun (the previous state is donated to them) the
-iteration's updates finish first. An evaluation in progress finishes. The run then ends with status
-``interrupted``.
+is honoured at the next safe point, and the run ends with status ``interrupted``:
 
-Safety. Updates whose loss, gradients or new state are non-finite are skipped inside the jitted step
-and counted (``skipped`` per iteration, ``skipped_updates`` in total); ``optim.max_skipped_updates``
-consecutive skips, or an iteration in which every row is invalid (nothing to learn from), stop the run
-with one ``TrainingStopped`` line, saving nothing more. A state that is not finite is never saved.
+* between turns of the training rollout, between the mini-batches of the log-prob recompute and between
+  the PPO updates the iteration is abandoned: the last completed iteration's state is saved (unless
+  already on disk) and a resumed run replays the abandoned iteration exactly. The updates donate the
+  state they change, so the trainer keeps the state an iteration starts from: its first update runs
+  without donation and the starting state lives on beside the updated one until the iteration ends
+  (one more copy of parameters and optimizer state on the device, during the updates only). No copy
+  is kept when that state is on disk already (a checkpoint of the previous iteration, e.g.
+  ``checkpoint.every=1``), and none with ``checkpoint.stop_during_updates=false``, where a request
+  during the updates waits for them to end instead. (A host copy would spend a device-to-host
+  transfer of the whole state on every iteration to save that memory; the option is the cheaper
+  way out where device memory is short.)
+* between turns of an evaluation the evaluation is abandoned: the state after the iteration's updates
+  is saved at once, marked ``pending_evaluation``, and a resumed run evaluates it first (once: records
+  of the abandoned evaluation were never written).
+
+Safety. Updates whose loss, gradients or new state are non-finite, or whose size exceeds
+``optim.max_update_ratio`` times the parameters', are skipped inside the jitted step and counted
+(``skipped`` per iteration, ``skipped_updates`` in total); ``optim.max_skipped_updates`` consecutive
+skips, or an iteration in which every row is invalid (nothing to learn from), stop the run with one
+``TrainingStopped`` line, saving nothing more. A state that is not finite is never saved.
 """
 
 from __future__ import annotations
@@ -55,8 +66,8 @@ from mage_jax.evaluation.report import log_evaluation
 from mage_jax.evaluation.samples import render_markdown, sample_rows
 from mage_jax.logging import MetricsLogger
 from mage_jax.progress import NoBar, progress_bar
-from mage_jax.rollout.policy import Generation, GenerationRequest, Policy
 from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices, pack_rows, pick_bucket
+from mage_jax.rollout.stopping import Interrupted, StoppablePolicy
 from mage_jax.training.assemble import (
     RunParts,
     advantage_config,
@@ -70,6 +81,8 @@ from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows, lr
 EXIT_SECOND_INTERRUPT = 130
 """Exit status of a second Ctrl-C (the shell's 128 + SIGINT): nothing is saved."""
 SUMMED_STEP_METRICS = ("skipped", "response_tokens")
+MAX_STEP_METRICS = ("update_ratio",)
+"""Reported as the largest value of the iteration's updates (the others: their mean)."""
 ROLLOUT_STATS = ("rows", "invalid_ratio", "response_length_mean", "response_length_max", "episodes_run_mean",
                  "truncated_responses", "overflow_invalid")
 
@@ -77,27 +90,6 @@ ROLLOUT_STATS = ("rows", "invalid_ratio", "response_length_mean", "response_leng
 class TrainingStopped(RuntimeError):
     """The run cannot make progress (updates keep being skipped, or an iteration has no valid row); the
     message is one line, and nothing after the last good checkpoint was saved."""
-
-
-class _Interrupted(Exception):
-    """Raised at a safe point of an iteration after a stop request: the iteration is abandoned."""
-
-
-@dataclasses.dataclass
-class _StoppablePolicy:
-    """A policy whose next turn raises ``_Interrupted`` once a stop was requested (a safe point between
-    turns of the rollout: nothing of the iteration has touched the parameters yet)."""
-
-    policy: Policy
-    stop: threading.Event
-
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
-        if self.stop.is_set():
-            raise _Interrupted
-        return self.policy.generate(requests)
-
-    def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
-        return self.policy.prompt_lengths(prompts)
 
 
 @dataclasses.dataclass
@@ -136,12 +128,17 @@ class Trainer:
         self.start_iteration = 0
         self.skipped_updates = 0
         self.consecutive_skips = 0
+        self.pending_evaluation = False
+        """The evaluation of the current iteration was abandoned by a stop request (saved in the meta)."""
+        self._state_saved_only = False
+        """``self.state`` was left mid-update by a stop request; the iteration's start is on disk."""
         if resume and self.checkpointer.latest_step() is not None:
             self.state, meta = self.checkpointer.restore(self.state)
             self.start_iteration = int(meta["iteration"])
             self.base_key = key_from_json(meta["rng"])
             self.skipped_updates = int(meta.get("skipped_updates", 0))
             self.consecutive_skips = int(meta.get("consecutive_skips", 0))
+            self.pending_evaluation = bool(meta.get("pending_evaluation", False))
             try:
                 parts.task_sampler.load_state_dict(meta.get("task_sampler", {}))
             except ValueError as err:
@@ -150,7 +147,8 @@ class Trainer:
             self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
             wandb_project=cfg.logging.wandb_project, config=C.to_dict(cfg),
             resume_iteration=self.start_iteration if resume else None,
-            keep_evaluations=self.start_iteration < cfg.train.iterations,  # else its final one reruns
+            # The final evaluation, or an abandoned one, reruns: its records of this iteration go.
+            keep_evaluations=self.start_iteration < cfg.train.iterations and not self.pending_evaluation,
         )
 
     # -- one iteration ---------------------------------------------------------------------------------
@@ -161,7 +159,7 @@ class Trainer:
         tasks = parts.task_sampler.sample_train(iteration - 1)
         key = jax.random.fold_in(self.base_key, iteration)
         policy = parts.policy(self.state.params, jax.random.fold_in(key, 0), evaluation=False)
-        result = parts.train_runner.run(tasks, _StoppablePolicy(policy, self._stop), training=True,
+        result = parts.train_runner.run(tasks, StoppablePolicy(policy, self._stop), training=True,
                                         progress=self._rows_progress(iteration))
         t_rollout = time.perf_counter() - t0
         self._check_rows(iteration, result.rows)
@@ -191,7 +189,7 @@ class Trainer:
         ref = jnp.zeros(packed.tokens.shape, jnp.float32) if self.use_reference else None
         for idx in minibatch_indices(n, mb, permutation=np.argsort(row_lengths, kind="stable")):
             if self._stop.is_set():  # a safe point: the parameters are still the last iteration's
-                raise _Interrupted
+                raise Interrupted
             placed = self.step.place_batch(batch(idx))
             real = idx[idx >= 0]
             old = old.at[real, :placed.length].set(
@@ -200,7 +198,13 @@ class Trainer:
                 ref = ref.at[real, :placed.length].set(
                     self._reference_logprobs(placed)[:len(real)])
 
-        # PPO epochs over shuffled mini-batches.
+        # PPO epochs over shuffled mini-batches, a safe point between any two: the state the iteration
+        # started from is kept (its first update does not donate it) unless it is on disk already.
+        start_on_disk = iteration - 1 in self.checkpointer.all_steps()
+        keep_start = cfg.checkpoint.stop_during_updates and not start_on_disk
+        stoppable = keep_start or start_on_disk
+        start_state = self.state
+        in_flight = None
         step_metrics: list[dict[str, Any]] = []
         progress = (iteration - 1) / max(cfg.train.iterations - 1, 1)
         lr_scale = lr_decay(cfg.optim.lr_decay, progress, cfg.optim.lr_end_fraction)
@@ -211,20 +215,30 @@ class Trainer:
             else:
                 blocks = minibatch_indices(n, mb, permutation=rng.permutation(n))
             for idx in blocks:
+                if stoppable and self._stop.is_set():
+                    self._abandon_updates(start_state if keep_start else None)
                 placed = self.step.place_batch(batch(idx, advantages))
                 placed = placed.replace(
                     old_logprobs=gather_rows(old, idx, placed.length),
                     ref_logprobs=None if ref is None else gather_rows(ref, idx, placed.length),
                 )
-                self.state, metrics = self.step.update(self.state, placed, lr_scale)
+                self.state, metrics = self.step.update(self.state, placed, lr_scale,
+                                                       donate=not (keep_start and not step_metrics))
                 step_metrics.append(metrics)
+                if stoppable and in_flight is not None:  # one update in flight: a stop is seen within one
+                    jax.block_until_ready(in_flight)
+                in_flight = metrics
+        start_state = None
         step_metrics = [{k: float(v) for k, v in m.items()} for m in jax.device_get(step_metrics)]
         t_update = time.perf_counter() - t1
 
         out: dict[str, float] = {}
         for name in step_metrics[0]:
             values = [m[name] for m in step_metrics]
-            out[name] = float(np.sum(values)) if name in SUMMED_STEP_METRICS else float(np.mean(values))
+            if name in SUMMED_STEP_METRICS:
+                out[name] = float(np.sum(values))
+            else:
+                out[name] = float(np.max(values)) if name in MAX_STEP_METRICS else float(np.mean(values))
         out["updates"] = float(len(step_metrics))
         longest = self.consecutive_skips
         for m in step_metrics:
@@ -263,6 +277,15 @@ class Trainer:
             return self.step.compute_logprobs(self.state.params, batch, adapters=False)
         return self.step.compute_logprobs(self.ref_params, batch)
 
+    def _abandon_updates(self, start_state: Any) -> None:
+        """Leave the updates of an iteration at a stop request: back to the state it started from, or
+        (None: that state is on disk) mark the half-updated state as never to be saved."""
+        if start_state is None:
+            self._state_saved_only = True
+        else:
+            self.state = start_state
+        raise Interrupted
+
     def _rows_progress(self, iteration: int) -> Callable[[int], None] | None:
         """Progress inside the rollout of ``iteration`` on the bar: rows generated so far."""
         if not self.cfg.logging.progress:
@@ -298,8 +321,9 @@ class Trainer:
         if limit > 0 and longest >= limit:
             raise TrainingStopped(
                 f"{longest} consecutive updates were skipped by iteration {iteration} (non-finite loss, "
-                f"gradients or parameters; optim.max_skipped_updates={limit}): lower optim.lr or check "
-                f"the inputs; {self._last_checkpoint_note()}")
+                f"gradients or parameters, or larger than optim.max_update_ratio="
+                f"{self.cfg.optim.max_update_ratio:g} times the parameters; optim.max_skipped_updates="
+                f"{limit}): lower optim.lr or check the inputs; {self._last_checkpoint_note()}")
 
     def _last_checkpoint_note(self) -> str:
         step = self.checkpointer.latest_step()
@@ -307,6 +331,8 @@ class Trainer:
 
     # -- cadences ----------------------------------------------------------------------------------------
     def _checkpoint(self, iteration: int) -> None:
+        if self._state_saved_only:  # abandoned mid-update; the iteration's starting state is on disk
+            return
         if not bool(jax.jit(all_finite)(self.state)):  # cannot happen past the step's check; never save it
             raise TrainingStopped(f"the state of iteration {iteration} is not finite; it was not saved; "
                                   f"{self._last_checkpoint_note()}")
@@ -317,15 +343,28 @@ class Trainer:
             "config": C.to_dict(self.cfg),
             "skipped_updates": self.skipped_updates,
             "consecutive_skips": self.consecutive_skips,
+            "pending_evaluation": self.pending_evaluation,
         }
         self.checkpointer.save(iteration, self.state, meta)
 
     def _evaluate(self, iteration: int, *, final: bool) -> dict[str, SplitResult]:
         heldout = final or not self.cfg.train.eval_final_only_heldout
         results = self.evaluator.evaluate(self.state.params, evaluation_key(self.base_key, iteration),
-                                          heldout=heldout)
+                                          heldout=heldout, stop=self._stop)
         log_evaluation(self.logger, iteration, results)
         return results
+
+    def _evaluate_or_stop(self, iteration: int, last: dict[str, SplitResult] | None = None
+                          ) -> tuple[str, dict[str, SplitResult] | None]:
+        """(status, results) of the evaluation of ``iteration`` inside the loop; a stop request during it
+        marks it pending (saved with the checkpoint) and gives status ``interrupted``."""
+        try:
+            results = self._evaluate(iteration, final=False)
+        except Interrupted:
+            self.pending_evaluation = True
+            return "interrupted", last
+        self.pending_evaluation = False
+        return "finished", results
 
     def _install_signals(self) -> Callable[[], None]:
         """SIGTERM and SIGINT request a stop at the next safe point; a second SIGINT exits at once."""
@@ -365,13 +404,15 @@ class Trainer:
         status = "finished"
         start_time = time.perf_counter()
         try:
-            while iteration < total:
+            if self.pending_evaluation and iteration < total:  # abandoned by a stop request: rerun it
+                status, last_eval = self._evaluate_or_stop(iteration)
+            while iteration < total and status == "finished":
                 if self._stop.is_set():
                     status = "interrupted"
                     break
                 try:
                     metrics = self.train_iteration(iteration + 1)
-                except _Interrupted:  # abandoned at a safe point: the state is the last iteration's
+                except Interrupted:  # abandoned at a safe point: the state is the last iteration's
                     status = "interrupted"
                     break
                 iteration += 1
@@ -387,17 +428,23 @@ class Trainer:
                     postfix["eval_pay"] = f"{last_eval['eval'].metrics['curves']['payoff'][-1]:+.3f}"
                 bar.set_postfix(postfix)
                 if cfg.train.eval_every > 0 and iteration % cfg.train.eval_every == 0 and iteration < total:
-                    last_eval = self._evaluate(iteration, final=False)
+                    status, last_eval = self._evaluate_or_stop(iteration, last_eval)
+                    if status != "finished":
+                        break
                 if self.checkpointer.should_save(iteration):
                     self._checkpoint(iteration)
             bar.set_description("final evaluation" if status == "finished" else "saving")
             final = None
             if status == "finished":
-                final = self._evaluate(iteration, final=True)
+                try:
+                    final = self._evaluate(iteration, final=True)
+                except Interrupted:  # the resumed run evaluates again (its final records are dropped)
+                    status = "interrupted"
             self._checkpoint(iteration)
             if self.skipped_updates:
                 print(f"warning: {self.skipped_updates} updates were skipped (non-finite loss, gradients or "
-                      "parameters); see 'skipped' in metrics.jsonl", file=sys.stderr)
+                      "parameters, or over optim.max_update_ratio); see 'skipped' in metrics.jsonl",
+                      file=sys.stderr)
             return TrainResult(status, iteration, final, self.skipped_updates)
         finally:
             bar.close()

@@ -171,18 +171,21 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(monkeypatch, capsys):
 
 def test_updates_that_keep_being_skipped_stop_the_run_with_one_line_and_save_nothing(tmp_path, capsys,
                                                                                      smoke_args):
-    """lr=1e30: the first update overflows the parameters to ~1e30, every later update has a non-finite
-    loss and is skipped; two in a row stop the run (exit 3) before any checkpoint is written."""
+    """lr=1e30: every update is ~1e31 times the parameters' size, far over optim.max_update_ratio, so
+    none is applied (the parameters stay finite and sampleable); two skips in a row stop the run (exit 3)
+    before any checkpoint is written."""
     run_dir = tmp_path / "run"
     argv = [*smoke_args({**RUN, "optim.lr": 1e30, "optim.epochs": 3, "optim.max_skipped_updates": 2}),
             "--run-dir", str(run_dir)]
     capsys.readouterr()
     assert kuhn_poker.main(argv) == EXIT_TRAINING_STOPPED
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: 2 consecutive updates were skipped by iteration 1 (non-finite loss, gradients or "
-                   "parameters; optim.max_skipped_updates=2): lower optim.lr or check the inputs; no "
-                   "checkpoint was saved"]
-    assert [(r["iteration"], r["updates"], r["skipped"]) for r in read_jsonl(str(run_dir))] == [(1, 3, 2)]
+    assert err == ["error: 3 consecutive updates were skipped by iteration 1 (non-finite loss, gradients or "
+                   "parameters, or larger than optim.max_update_ratio=1 times the parameters; optim."
+                   "max_skipped_updates=2): lower optim.lr or check the inputs; no checkpoint was saved"]
+    records = read_jsonl(str(run_dir))
+    assert [(r["iteration"], r["updates"], r["skipped"]) for r in records] == [(1, 3, 3)]
+    assert records[0]["update_ratio"] > 1e25
     assert not os.listdir(run_dir / "checkpoints") and not (run_dir / "summary.json").exists()
 
 

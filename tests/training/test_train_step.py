@@ -16,6 +16,7 @@ from mage_jax.training.train_step import (
     TrainBatch,
     TrainStep,
     gather_rows,
+    global_norm,
     learning_rate_schedule,
 )
 
@@ -124,6 +125,63 @@ def test_an_update_that_makes_parameters_non_finite_is_skipped(model, step):
     assert float(metrics["skipped"]) == 1.0 and int(state.step) == 0
     for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(a, np.asarray(c))
+
+
+def advantage_batch(step, state):
+    b = batch()
+    old = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
+    b.update(old_logprobs=old, ref_logprobs=old, advantages=np.array([1.0, 1.0, -1.0, 0.0], np.float32))
+    return step.place_batch(TrainBatch(**b))
+
+
+def test_update_ratio_is_the_size_of_the_parameter_change_relative_to_the_parameters(model, step):
+    _, _, _, params = model
+    state = step.init_state(jax.tree.map(jnp.copy, params))
+    before = [np.asarray(x, np.float64) for x in jax.tree.leaves(state.params)]
+    state, metrics = step.update(state, advantage_batch(step, state))
+    after = [np.asarray(x, np.float64) for x in jax.tree.leaves(state.params)]
+    change = np.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(after, before)))
+    size = np.sqrt(sum((b ** 2).sum() for b in before))
+    assert float(metrics["skipped"]) == 0.0
+    assert float(metrics["update_ratio"]) == pytest.approx(change / size, rel=1e-3)
+    assert 0 < float(metrics["update_ratio"]) < StepConfig().max_update_ratio
+
+
+def test_a_finite_update_larger_than_max_update_ratio_is_skipped(model, step):
+    """A learning rate scaled by 1e28 keeps every number finite (the non-finite check passes), but the
+    update is ~1e26 times the parameters: skipped and the state kept; with the check off it is applied."""
+    _, _, _, params = model
+    state = step.init_state(jax.tree.map(jnp.copy, params))
+    placed = advantage_batch(step, state)
+    before = jax.tree.map(np.asarray, state.params)
+    state, metrics = step.update(state, placed, lr_scale=1e28)
+    assert float(metrics["skipped"]) == 1.0 and int(state.step) == 0
+    assert 1e20 < float(metrics["update_ratio"]) < np.inf
+    for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(a, np.asarray(c))
+    unchecked = make_step(model, kl_coef=0.1, constraint_len=4, max_update_ratio=0.0)
+    state, metrics = unchecked.update(state, placed, lr_scale=1e28)
+    assert float(metrics["skipped"]) == 0.0 and int(state.step) == 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+
+
+def test_global_norm_of_a_huge_tree_does_not_overflow():
+    tree = {"a": jnp.full((4,), 1e30, jnp.float32), "b": jnp.zeros((2, 3), jnp.bfloat16)}
+    assert float(global_norm(tree)) == pytest.approx(2e30, rel=1e-6)
+    assert float(global_norm({"a": jnp.array([3.0, 4.0])})) == pytest.approx(5.0)
+
+
+def test_an_update_without_donation_leaves_the_old_state_intact_and_computes_the_same(model, step):
+    _, _, _, params = model
+    state = step.init_state(jax.tree.map(jnp.copy, params))
+    placed = advantage_batch(step, state)
+    before = jax.tree.map(np.asarray, state)
+    kept, _ = step.update(state, placed, donate=False)
+    for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(state)):  # still readable, unchanged
+        np.testing.assert_array_equal(a, np.asarray(c))
+    donated, _ = step.update(state, placed)
+    for a, c in zip(jax.tree.leaves(kept), jax.tree.leaves(donated)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
 def test_kl_term_is_zero_against_itself_and_positive_after_moving(model, step):
