@@ -63,6 +63,10 @@ class Preset:
     description: str = ""
     needs_model_path: bool = False
     requires: Callable[[C.ExperimentConfig], None] | None = None
+    hardware: tuple[str, ...] = ()
+    """The hardware the preset is meant for, as names of ``experiments.plan.HARDWARE`` (each at its own
+    device count): ``python -m experiments.plan`` judges these by default, and a test holds every preset
+    to fitting them."""
 
     def check(self, name: str, cfg: C.ExperimentConfig, *, check_paths: bool = True) -> None:
         """Raise one ``ConfigError`` when ``cfg`` lacks what preset ``name`` needs (the model folder

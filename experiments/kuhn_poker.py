@@ -59,7 +59,13 @@ import sys
 from collections.abc import Sequence
 
 from experiments.common import Preset
-from experiments.presets import EnvExperiment, paper_overrides, small_overrides
+from experiments.presets import (
+    PAPER_HARDWARE,
+    SMALL_HARDWARE,
+    EnvExperiment,
+    paper_overrides,
+    small_overrides,
+)
 from mage_jax.evaluation.evaluator import EvalProtocol
 
 EXPERIMENT = "kuhn_poker"
@@ -119,9 +125,10 @@ PAPER = {**_MAGE_KUHN, **paper_overrides("kuhn_poker", privileged_reflection=Tru
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(TINY, "from-scratch 2-layer model, word-level tokenizer, CPU, minutes"),
-    "small": Preset(SMALL, "Qwen3-0.6B from --model-path, reflections, full prompts", needs_model_path=True),
+    "small": Preset(SMALL, "Qwen3-0.6B from --model-path, reflections, full prompts", needs_model_path=True,
+                    hardware=SMALL_HARDWARE),
     "paper": Preset(PAPER, "Qwen3-4B from --model-path, the paper's settings (spec section 8)",
-                    needs_model_path=True),
+                    needs_model_path=True, hardware=PAPER_HARDWARE),
 }
 
 

@@ -7,9 +7,13 @@ Scales (``--preset``):
   a random network cannot write them). Minutes per run; it exercises the whole method, not the
   paper's model.
 * ``small`` — a Qwen3-0.6B-class model from a local Hugging Face folder (``--model-path DIR``),
-  full prompts with reflections, reduced batch and lengths (Colab / one GPU).
+  full prompts with reflections, reduced batch and lengths: one 24 GB GPU (``SMALL_HARDWARE``).
 * ``paper`` — Qwen3-4B from a local folder with the paper's settings (spec section 8), parameters
-  and optimizer state sharded over all devices (``mesh.fsdp=-1``: a TPU VM or a multi-GPU host).
+  and optimizer state sharded over all devices (``mesh.fsdp=-1``): a host of 8 H100 80 GB or a TPU
+  v5p-8 (``PAPER_HARDWARE``).
+
+``python -m experiments.plan --env ENV --preset PRESET`` checks a preset against its hardware ahead of
+time (``Preset.hardware``; tests/experiments/test_plan.py holds every preset to it).
 
 ``EnvExperiment`` bundles what the experiment modules, ``experiments.baselines``, the ablations and
 ``experiments.table1`` need to know about one environment: its presets, its evaluation protocol
@@ -60,6 +64,11 @@ PAPER_SETTINGS: dict[str, PaperSettings] = {
     # MineSweeper is a LaMer task; the paper gives no column, so it follows Sokoban's single-agent recipe.
     "minesweeper": PaperSettings(16, 8, 300, 7, 4096, 4096, False, 1.0, 0.5, 0.6),
 }
+
+SMALL_HARDWARE = ("l4-24gb",)
+"""Where the ``small`` presets must fit (names of ``experiments.plan.HARDWARE``): one 24 GB GPU."""
+PAPER_HARDWARE = ("h100-80gb", "tpu-v5p")
+"""Where the ``paper`` presets must fit: 8 x H100 80 GB, and a TPU v5p-8 (4 chips of 95 GiB)."""
 
 TINY_MODEL = {
     "model.preset": "tiny",
@@ -169,10 +178,10 @@ def scale_presets(env_overrides: Mapping[str, Any], tiny: Mapping[str, Any], env
                        "from-scratch 2-layer model, word-level tokenizer, CPU, minutes"),
         "small": Preset({**env_overrides, **small_overrides(env, **pretrained_kwargs)},
                         "Qwen3-0.6B-class model from --model-path, reflections, full prompts",
-                        needs_model_path=True),
+                        needs_model_path=True, hardware=SMALL_HARDWARE),
         "paper": Preset({**env_overrides, **paper_overrides(env, **pretrained_kwargs)},
                         "Qwen3-4B from --model-path, the paper's settings (spec section 8)",
-                        needs_model_path=True),
+                        needs_model_path=True, hardware=PAPER_HARDWARE),
     }
 
 

@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from mage_jax.models.config import ModelConfig
@@ -167,6 +169,14 @@ def constrain_rows(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *([None] * (x.ndim - 1))))
 
 
+def to_host(x: jax.Array) -> Any:
+    """The whole of a (possibly multi-process) array as numpy on this host. With several processes a
+    row-sharded array has rows on other hosts: they are gathered (every process must call this)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
@@ -182,13 +192,25 @@ def cache_sharding(config: ModelConfig, mesh: Mesh, batch: int) -> NamedSharding
     return NamedSharding(mesh, PartitionSpec(rows, heads, None, None))
 
 
-def init_sharded(config: ModelConfig, mesh: Mesh, seed: int = 0) -> tuple[nnx.GraphDef, Any]:
-    """Initialise a fresh model directly into its shardings (no full copy on one device)."""
+def abstract_sharded(config: ModelConfig, mesh: Mesh, seed: int = 0) -> tuple[nnx.GraphDef, Any]:
+    """The graph and the parameter state of ``config`` as ``ShapeDtypeStruct`` leaves carrying their
+    shardings: what ``init_sharded`` would place, without allocating anything (ahead-of-time plans)."""
     from mage_jax.models.transformer import Transformer
 
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed)))
     graphdef, abstract_state = nnx.split(abstract)
     shardings = param_shardings(abstract_state, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state,
+                         shardings)
+    return graphdef, state
+
+
+def init_sharded(config: ModelConfig, mesh: Mesh, seed: int = 0) -> tuple[nnx.GraphDef, Any]:
+    """Initialise a fresh model directly into its shardings (no full copy on one device)."""
+    from mage_jax.models.transformer import Transformer
+
+    graphdef, abstract_state = abstract_sharded(config, mesh, seed)
+    shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
 
     def init():
         return nnx.split(Transformer(config, rngs=nnx.Rngs(seed)))[1]

@@ -97,13 +97,13 @@ class TrainBatch:
         return int(self.tokens.shape[1])
 
 
-def gather_rows(table: jax.Array, index: np.ndarray, length: int) -> jax.Array:
-    """Rows ``index`` of a device-resident ``[N, >= length]`` table cut to ``length`` tokens, zeros for
-    padding rows (``-1``): the old / reference log-probs of a mini-batch without a host round trip."""
+def gather_rows(table: np.ndarray, index: np.ndarray, length: int) -> np.ndarray:
+    """Rows ``index`` of a host ``[N, >= length]`` table cut to ``length`` tokens, zeros for padding rows
+    (``-1``): the old / reference log-probs of a mini-batch. The tables live on the host: at the paper's
+    lengths one iteration's rows x 12288 tokens of float32 are tens of GB, more than a device holds."""
     index = np.asarray(index, dtype=np.int64)
-    pad = jnp.asarray(index < 0)[:, None]
-    rows = jnp.take(table, jnp.asarray(np.where(index < 0, 0, index)), axis=0)[:, :length]
-    return jnp.where(pad, 0.0, rows)
+    rows = np.asarray(table)[np.where(index < 0, 0, index), :length]
+    return np.where((index < 0)[:, None], np.float32(0.0), rows).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,8 +253,9 @@ class TrainStep:
         return jnp.where(inside[:, :, None], picked, True)
 
     # ------------------------------------------------------------------ jitted entry points
-    def compute_logprobs(self, params: Any, batch: TrainBatch) -> jax.Array:
-        """log pi(target) at temperature 1, float32 [R, T] (0 outside the response)."""
+    def logprobs_program(self) -> Any:
+        """The jitted log-prob recompute (``compute_logprobs`` runs it under the mesh; ``.lower`` it for an
+        ahead-of-time compile)."""
         if self._logprobs is None:
 
             def fn(params, batch):
@@ -262,8 +263,22 @@ class TrainStep:
                 return jnp.where(batch.response_mask, logp, 0.0)
 
             self._logprobs = jax.jit(fn, out_shardings=self._batch_sharding)
+        return self._logprobs
+
+    def update_programs(self, shardings: TrainState) -> tuple[Any, Any]:
+        """The two jitted programs of ``update`` for a state placed like ``shardings``: loss and gradients
+        (run under the mesh), and the optimizer step with the non-finite skip (the state donated)."""
+        if self._update is None:
+            self._grads = jax.jit(self._grads_fn, out_shardings=(shardings.params, self._replicated))
+            self._update = jax.jit(self._apply_fn, donate_argnums=(0,),
+                                   out_shardings=(shardings, self._replicated))
+        return self._grads, self._update
+
+    def compute_logprobs(self, params: Any, batch: TrainBatch) -> jax.Array:
+        """log pi(target) at temperature 1, float32 [R, T] (0 outside the response)."""
+        program = self.logprobs_program()
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
-            return self._logprobs(params, batch)
+            return program(params, batch)
 
     def update(self, state: TrainState, batch: TrainBatch,
                lr_scale: float = 1.0) -> tuple[TrainState, dict[str, Any]]:
@@ -276,17 +291,10 @@ class TrainStep:
         optimizer step with the non-finite skip (shape independent, compiled once), so a new length
         bucket only recompiles the first.
         """
-        if self._update is None:
-            self._grads = jax.jit(self._grads_fn, out_shardings=(self.state_shardings(state).params,
-                                                                  self._replicated))
-            self._update = jax.jit(
-                self._apply_fn,
-                donate_argnums=(0,),
-                out_shardings=(self.state_shardings(state), self._replicated),
-            )
+        grads_program, apply_program = self.update_programs(self.state_shardings(state))
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
-            grads, metrics = self._grads(state.params, batch)
-        return self._update(state, grads, metrics, jnp.float32(lr_scale))
+            grads, metrics = grads_program(state.params, batch)
+        return apply_program(state, grads, metrics, jnp.float32(lr_scale))
 
     def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array], lr_scale: jax.Array):
         updates, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)

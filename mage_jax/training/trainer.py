@@ -54,6 +54,7 @@ from mage_jax.evaluation.metrics import compute_metrics
 from mage_jax.evaluation.report import log_evaluation
 from mage_jax.evaluation.samples import render_markdown, sample_rows
 from mage_jax.logging import MetricsLogger
+from mage_jax.models.sharding import to_host
 from mage_jax.progress import NoBar, progress_bar
 from mage_jax.rollout.policy import Generation, GenerationRequest, Policy
 from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices, pack_rows, pick_bucket
@@ -182,20 +183,20 @@ class Trainer:
         advantages = np.asarray(compute_advantages(cfg.algorithm.estimator, packed.row_batch(), self.adv_cfg))
 
         # Old (and reference) log-probs of every real row, before any update of this iteration; they stay
-        # on the device and each mini-batch gathers its rows from them.
+        # on the host (tens of GB at the paper's lengths) and each mini-batch takes its rows from them.
         t1 = time.perf_counter()
-        old = jnp.zeros(packed.tokens.shape, jnp.float32)
-        ref = jnp.zeros(packed.tokens.shape, jnp.float32) if self.ref_params is not None else None
+        old = np.zeros(packed.tokens.shape, np.float32)
+        ref = np.zeros(packed.tokens.shape, np.float32) if self.ref_params is not None else None
         for idx in minibatch_indices(n, mb, permutation=np.argsort(row_lengths, kind="stable")):
             if self._stop.is_set():  # a safe point: the parameters are still the last iteration's
                 raise _Interrupted
             placed = self.step.place_batch(batch(idx))
             real = idx[idx >= 0]
-            old = old.at[real, :placed.length].set(
-                self.step.compute_logprobs(self.state.params, placed)[:len(real)])
+            old[real, :placed.length] = to_host(
+                self.step.compute_logprobs(self.state.params, placed))[:len(real)]
             if ref is not None:
-                ref = ref.at[real, :placed.length].set(
-                    self.step.compute_logprobs(self.ref_params, placed)[:len(real)])
+                ref[real, :placed.length] = to_host(
+                    self.step.compute_logprobs(self.ref_params, placed))[:len(real)]
 
         # PPO epochs over shuffled mini-batches.
         step_metrics: list[dict[str, Any]] = []
@@ -208,11 +209,11 @@ class Trainer:
             else:
                 blocks = minibatch_indices(n, mb, permutation=rng.permutation(n))
             for idx in blocks:
-                placed = self.step.place_batch(batch(idx, advantages))
-                placed = placed.replace(
-                    old_logprobs=gather_rows(old, idx, placed.length),
-                    ref_logprobs=None if ref is None else gather_rows(ref, idx, placed.length),
-                )
+                rows = batch(idx, advantages)
+                placed = self.step.place_batch(rows.replace(
+                    old_logprobs=gather_rows(old, idx, rows.length),
+                    ref_logprobs=None if ref is None else gather_rows(ref, idx, rows.length),
+                ))
                 self.state, metrics = self.step.update(self.state, placed, lr_scale)
                 step_metrics.append(metrics)
         step_metrics = [{k: float(v) for k, v in m.items()} for m in jax.device_get(step_metrics)]
