@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mage_jax import config as C
+from mage_jax.models.sharding import initialize_from_environment
 from mage_jax.training.run import finished_iteration
 from mage_jax.training.trainer import TrainingStopped
 
@@ -298,7 +299,10 @@ def run_cli(
     run: Callable[[C.ExperimentConfig, RunOptions], Any],
     **parse_kwargs: Any,
 ) -> int:
-    """Parse, validate and run; configuration problems print one ``error:`` line and return 2."""
+    """Parse, validate and run; configuration problems print one ``error:`` line and return 2.
+
+    A process of a multi-process run (``MAGE_DISTRIBUTED=1``, docs/scaling.md) joins it first."""
+    initialize_from_environment()
     try:
         parsed = parse_command_line(argv, **parse_kwargs)
     except C.ConfigError as err:

@@ -235,7 +235,9 @@ def compile_train_apply(setup: Setup) -> Any:
     grads_program, apply = setup.step.update_programs(setup.state_shardings())
     state = TrainState(setup.params, setup.opt_state,
                        jax.ShapeDtypeStruct((), jnp.int32, sharding=setup.step._replicated))
-    grads, metrics = jax.eval_shape(grads_program, setup.params, train_batch(setup, 8, 8, update=True))
+    batch = train_batch(setup, setup.cfg.optim.mini_batch_rows, 8, update=True)
+    with jax.set_mesh(setup.mesh):
+        grads, metrics = jax.eval_shape(grads_program, setup.params, batch)
     grads = jax.tree.map(lambda g, p: jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=p.sharding), grads,
                          setup.params)
     metrics = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=setup.step._replicated),

@@ -117,9 +117,6 @@ def _pretrained(env: str, *, privileged_reflection: bool = False) -> dict[str, A
         "tokenizer.enable_thinking": True,
         # Every decoder block recomputed in the backward pass: activations of one block at a time.
         "model.overrides": {"remat": "full"},
-        # Gradients accumulated over 16-row micro-batches (2 rows per device on 8): the 12288-token bucket
-        # fits 80 GB per device (docs/attention.md).
-        "optim.micro_batch_rows": 16,
         "rollout.num_episodes": 3,
         "rollout.memory_mode": "reflection_only",
         "rollout.reflect": True,
@@ -144,6 +141,9 @@ def small_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
     return {
         **_pretrained(env, **kwargs),
         "model.preset": "qwen3-0.6b",
+        # One 24 GB GPU (python -m experiments.plan): 4-row micro-batches, 16 rows decoded at once.
+        "optim.micro_batch_rows": 4,
+        "rollout.max_decode_rows": 16,
         "rollout.num_tasks": max(4, p.num_tasks // 2),
         "rollout.group_size": p.group_size,
         "rollout.max_prompt_tokens": min(p.max_prompt_tokens, 4096),
@@ -159,6 +159,10 @@ def paper_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
         **_pretrained(env, **kwargs),
         "model.preset": "qwen3-4b",
         "model.dtype": "bfloat16",
+        # Fits 8 x H100 80 GB and a TPU v5p-8 (4 chips of 95 GiB) by python -m experiments.plan: gradients
+        # accumulated over 8-row micro-batches (1 row per device on 8, 2 on 4), 64 rows decoded at once.
+        "optim.micro_batch_rows": 8,
+        "rollout.max_decode_rows": 64,
         "rollout.num_tasks": p.num_tasks,
         "rollout.group_size": p.group_size,
         "rollout.max_prompt_tokens": p.max_prompt_tokens,

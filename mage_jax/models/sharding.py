@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -231,3 +232,32 @@ def initialize_distributed(enabled: bool, **kwargs: Any) -> bool:
         return True
     jax.distributed.initialize(**kwargs)
     return True
+
+
+DISTRIBUTED_ENV = "MAGE_DISTRIBUTED"
+
+
+def initialize_from_environment(environ: Mapping[str, str] | None = None) -> bool:
+    """Join a multi-process run when ``MAGE_DISTRIBUTED=1`` is set (docs/scaling.md); returns whether it did.
+
+    ``JAX_COORDINATOR_ADDRESS`` (host:port of process 0), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
+    are passed on when set (a GPU cluster without SLURM); on a Cloud TPU pod slice or under SLURM
+    ``jax.distributed`` discovers them itself. Every process then sees the devices of all processes
+    (``jax.devices()``) and the mesh spans them; each runs the same program.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(DISTRIBUTED_ENV, "0").strip().lower() in ("", "0", "false", "no"):
+        return False
+    kwargs: dict[str, Any] = {}
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        kwargs["coordinator_address"] = env["JAX_COORDINATOR_ADDRESS"]
+    if env.get("JAX_NUM_PROCESSES"):
+        kwargs["num_processes"] = int(env["JAX_NUM_PROCESSES"])
+    if env.get("JAX_PROCESS_ID"):
+        kwargs["process_id"] = int(env["JAX_PROCESS_ID"])
+    return initialize_distributed(True, **kwargs)
+
+
+def is_main_process() -> bool:
+    """Process 0 of a multi-process run (always True in a single process): the one that writes logs."""
+    return jax.process_index() == 0

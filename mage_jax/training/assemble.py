@@ -233,7 +233,7 @@ def build_tokenizer(cfg: C.ExperimentConfig, run_dir: str | None, task_sampler: 
         if saved and os.path.isdir(saved):
             return Tokenizer.load(saved)
         tok = Tokenizer.word_level(tokenizer_corpus(cfg, task_sampler))
-        if saved:
+        if saved and shd.is_main_process():  # every process built the same one
             tok.save(saved)
         return tok
     except TokenizerError as err:
