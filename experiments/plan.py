@@ -262,10 +262,10 @@ def rollout_shape(setup: Setup) -> tuple[int, int, int]:
     return setup.sampler.batch_buckets[-1], setup.sampler.prompt_buckets[-1], new_tokens
 
 
-def plan_rollout(setup: Setup) -> Any:
+def plan_rollout(setup: Setup, shape: tuple[int, int, int] | None = None) -> Any:
     """The rollout's generation program: the current ``Sampler``'s jitted prefill + decode loop for its
-    largest call (``rollout_shape``), with training sampling (temperature only) and the KV cache it
-    allocates. The one place that knows how rollouts generate."""
+    largest call (``rollout_shape``, or ``shape`` = (rows, prompt, new tokens)), with training sampling
+    (temperature only) and the KV cache it allocates. The one place that knows how rollouts generate."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -274,7 +274,7 @@ def plan_rollout(setup: Setup) -> Any:
     from mage_jax.models.transformer import init_cache
     from mage_jax.sampling import _Static
 
-    rows, prompt, new_tokens = rollout_shape(setup)
+    rows, prompt, new_tokens = shape or rollout_shape(setup)
     s = setup.cfg.sampling.train
     static = _Static(greedy=s.temperature <= 0, top_k=min(s.top_k, setup.model_config.vocab_size),
                      use_top_p=s.top_p < 1.0, constrained=False)
@@ -483,6 +483,31 @@ def make_plan(cfg: C.ExperimentConfig, hardware: Sequence[Hardware], *, devices:
                   for p in plans.values()],
         "verdicts": [verdict(plans[devices or h.devices], h, cfg) for h in hardware],
     }
+
+
+def plan_presets(pairs: Sequence[tuple[str, str]], *, layers: Sequence[int] = DEFAULT_LAYERS,
+                 log: Any = None) -> list[dict[str, Any]]:
+    """The plan of every (environment, preset) against the hardware its definition names; programs
+    shared by several presets are compiled once. Runs in a process with enough (fake) devices."""
+    out = []
+    for env, preset in pairs:
+        hardware = [HARDWARE[n] for n in named_hardware(env, preset)] or list(HARDWARE.values())
+        plan = make_plan(preset_config(env, preset), hardware, layers=layers, log=log)
+        out.append({**plan, "preset": preset})
+    return out
+
+
+def summary_table(plans: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: preset x hardware -> peak bytes per device and verdict."""
+    lines = ["| env | preset | hardware | devices | peak / device | usable | largest | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for plan in plans:
+        for v in plan["verdicts"]:
+            largest = next(p["largest"] for p in plan["plans"] if p["devices"] == v["devices"])
+            lines.append(f"| {plan['env']} | {plan['preset']} | {v['hardware']} | {v['devices']} | "
+                         f"{v['peak'] / GB:,.1f} GB | {v['usable'] / GB:,.1f} GB | {largest} | "
+                         f"{'fits' if v['fits'] else 'does not fit'} |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------

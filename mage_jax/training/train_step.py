@@ -258,9 +258,19 @@ class TrainStep:
         ahead-of-time compile)."""
         if self._logprobs is None:
 
-            def fn(params, batch):
+            def one(params, batch):
                 logp, _ = self._token_logprobs(params, batch)
                 return jnp.where(batch.response_mask, logp, 0.0)
+
+            def fn(params, batch):
+                # ``micro_batch_rows`` rows at a time, like the update: the [rows, chunk, vocab] logits of
+                # a whole mini-batch would be the largest buffer of the run.
+                rows = batch.tokens.shape[0]
+                micro = self.config.micro_batch_rows or rows
+                if micro == rows or rows % micro:
+                    return one(params, batch)
+                parts = jax.lax.map(lambda part: one(params, part), split_micro_batches(batch, micro))
+                return merge_micro_batches(parts)
 
             self._logprobs = jax.jit(fn, out_shardings=self._batch_sharding)
         return self._logprobs
@@ -410,3 +420,9 @@ def split_micro_batches(batch: TrainBatch, micro_rows: int) -> TrainBatch:
         return jnp.moveaxis(x.reshape((micro_rows, n) + x.shape[1:]), 1, 0)
 
     return jax.tree.map(split, batch)
+
+
+def merge_micro_batches(parts: jax.Array) -> jax.Array:
+    """The inverse of ``split_micro_batches`` for one array: ``[n, micro_rows, ...]`` -> ``[R, ...]``."""
+    n, micro = parts.shape[:2]
+    return jnp.moveaxis(parts, 0, 1).reshape((n * micro,) + parts.shape[2:])

@@ -256,6 +256,26 @@ def test_micro_batches_give_the_whole_mini_batch_gradients_and_metrics(model, ag
         np.testing.assert_allclose(p0 - c, p0 - a, rtol=1e-5, atol=1e-6)
 
 
+def test_logprob_recompute_over_micro_batches_is_the_whole_batch_recompute(model):
+    """``compute_logprobs`` runs ``micro_batch_rows`` rows at a time (strided, like the update) and puts
+    every row back in its place."""
+    _, mesh, graphdef, params = model
+    schedule = learning_rate_schedule(1e-3)
+
+    def logprobs(micro_batch_rows):
+        import optax
+
+        config = StepConfig(chunk_size=5, micro_batch_rows=micro_batch_rows)
+        step = TrainStep(graphdef, optax.sgd(schedule), schedule, config, mesh)
+        batch = step.place_batch(TrainBatch(**micro_batch_rows_batch()))
+        return np.asarray(step.compute_logprobs(params, batch))
+
+    whole = logprobs(0)
+    assert (whole[0] != whole[1]).any() and (whole[3] == 0).all()
+    np.testing.assert_allclose(logprobs(2), whole, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(logprobs(4), whole, rtol=1e-6, atol=1e-6)
+
+
 def test_micro_batch_rows_must_divide_the_mini_batch(model):
     from mage_jax import config as C
 
