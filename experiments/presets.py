@@ -136,14 +136,17 @@ def _pretrained(env: str, *, privileged_reflection: bool = False) -> dict[str, A
 
 
 def small_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
-    """Qwen3-0.6B-class from a local folder: half the batch, shorter responses, 50 iterations."""
+    """Qwen3-0.6B-class from a local folder: half the batch, shorter responses, 50 iterations, one GPU."""
     p = PAPER_SETTINGS[env]
     return {
         **_pretrained(env, **kwargs),
         "model.preset": "qwen3-0.6b",
-        # One 24 GB GPU (python -m experiments.plan): 4-row micro-batches, 16 rows decoded at once.
+        # One 24 GB GPU (python -m experiments.plan): bfloat16 activations and KV cache, 4-row
+        # micro-batches, 8 rows decoded at once (the float32 parameters, AdamW moments and reference
+        # parameters alone hold 9.5 GB).
+        "model.dtype": "bfloat16",
         "optim.micro_batch_rows": 4,
-        "rollout.max_decode_rows": 16,
+        "rollout.max_decode_rows": 8,
         "rollout.num_tasks": max(4, p.num_tasks // 2),
         "rollout.group_size": p.group_size,
         "rollout.max_prompt_tokens": min(p.max_prompt_tokens, 4096),

@@ -269,7 +269,10 @@ class TrainStep:
                 micro = self.config.micro_batch_rows or rows
                 if micro == rows or rows % micro:
                     return one(params, batch)
-                parts = jax.lax.map(lambda part: one(params, part), split_micro_batches(batch, micro))
+                # The parameters ride in the scan's carry, so the model (and its remat) is merged from
+                # them inside the loop body's trace.
+                _, parts = jax.lax.scan(lambda p, part: (p, one(p, part)), params,
+                                        split_micro_batches(batch, micro))
                 return merge_micro_batches(parts)
 
             self._logprobs = jax.jit(fn, out_shardings=self._batch_sharding)

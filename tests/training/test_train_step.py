@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -256,10 +258,12 @@ def test_micro_batches_give_the_whole_mini_batch_gradients_and_metrics(model, ag
         np.testing.assert_allclose(p0 - c, p0 - a, rtol=1e-5, atol=1e-6)
 
 
-def test_logprob_recompute_over_micro_batches_is_the_whole_batch_recompute(model):
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_logprob_recompute_over_micro_batches_is_the_whole_batch_recompute(model, remat):
     """``compute_logprobs`` runs ``micro_batch_rows`` rows at a time (strided, like the update) and puts
-    every row back in its place."""
-    _, mesh, graphdef, params = model
+    every row back in its place, with or without rematerialised blocks."""
+    config, mesh, _, _ = model
+    graphdef, params = shd.init_sharded(dataclasses.replace(config, remat=remat), mesh, seed=0)
     schedule = learning_rate_schedule(1e-3)
 
     def logprobs(micro_batch_rows):
