@@ -25,7 +25,9 @@ parameters, optimizer state, KV cache and (one block at a time under remat) acti
 blocks are not typical (XLA keeps more alive from depth 2 to 3 than from 3 to 4), so the two depths
 are 3 and 4. XLA:CPU computes bfloat16 products in float32 and has no flash-attention kernel, so the
 numbers are an upper bound of what a GPU or TPU compile reports. FLOPs are XLA's cost analysis per
-device; a ``while`` loop body (the sampler's decode step) is counted once.
+device; a ``while`` loop body (the sampler's decode step) is counted once. A from-scratch model
+(``tiny``) is planned with a 256-token vocabulary (its word-level tokenizer is built at run time); the
+rollout is planned without constrained decoding (its automaton tables are small).
 
 JSON keys (``--json``), all bytes per device:
   env, preset, layers_compiled, full_depth, model (name, params: parameter count, param_dtype, dtype,
@@ -551,9 +553,14 @@ def named_hardware(env: str, preset: str) -> tuple[str, ...]:
     return tuple(environment(env).presets[preset].hardware)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit status 2, like every entry point
+        raise C.ConfigError(message)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m experiments.plan", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--env", required=True, help="environment experiment, e.g. kuhn_poker")
     p.add_argument("--preset", required=True, help="tiny, small or paper")
     p.add_argument("--devices", type=int, default=None,
@@ -588,14 +595,7 @@ class _Request:
 
 def _request(argv: Sequence[str] | None) -> _Request:
     """Parse and check the command line; every problem is one ConfigError."""
-
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message: str) -> None:  # one line and exit status 2, like every entry point
-            raise C.ConfigError(message)
-
-    p = parser()
-    p.__class__ = _Parser
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
     overrides: dict[str, Any] = parse_mesh(args.mesh)
     overrides.update(C.parse_assignment(item) for item in args.set)
     cfg = preset_config(args.env, args.preset, overrides)

@@ -141,11 +141,11 @@ def small_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
     return {
         **_pretrained(env, **kwargs),
         "model.preset": "qwen3-0.6b",
-        # One 24 GB GPU (python -m experiments.plan): bfloat16 activations and KV cache, 4-row
-        # micro-batches, 8 rows decoded at once (the float32 parameters, AdamW moments and reference
-        # parameters alone hold 9.5 GB).
+        # One 24 GB GPU (python -m experiments.plan): bfloat16 activations and KV cache, one row per
+        # forward/backward pass, 8 rows decoded at once (the float32 parameters, AdamW moments and
+        # reference parameters alone hold 9.5 GB).
         "model.dtype": "bfloat16",
-        "optim.micro_batch_rows": 4,
+        "optim.micro_batch_rows": 1,
         "rollout.max_decode_rows": 8,
         "rollout.num_tasks": max(4, p.num_tasks // 2),
         "rollout.group_size": p.group_size,
