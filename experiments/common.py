@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mage_jax import config as C
+from mage_jax.models.sharding import initialize_from_environment
 from mage_jax.training.run import finished_iteration
 from mage_jax.training.trainer import TrainingStopped
 
@@ -64,6 +65,10 @@ class Preset:
     description: str = ""
     needs_model_path: bool = False
     requires: Callable[[C.ExperimentConfig], None] | None = None
+    hardware: tuple[str, ...] = ()
+    """The hardware the preset is meant for, as names of ``experiments.plan.HARDWARE`` (each at its own
+    device count): ``python -m experiments.plan`` judges these by default, and a test holds every preset
+    to fitting them."""
 
     def check(self, name: str, cfg: C.ExperimentConfig, *, check_paths: bool = True) -> None:
         """Raise one ``ConfigError`` when ``cfg`` lacks what preset ``name`` needs (the model folder
@@ -295,7 +300,10 @@ def run_cli(
     run: Callable[[C.ExperimentConfig, RunOptions], Any],
     **parse_kwargs: Any,
 ) -> int:
-    """Parse, validate and run; configuration problems print one ``error:`` line and return 2."""
+    """Parse, validate and run; configuration problems print one ``error:`` line and return 2.
+
+    A process of a multi-process run (``MAGE_DISTRIBUTED=1``, docs/scaling.md) joins it first."""
+    initialize_from_environment()
     try:
         parsed = parse_command_line(argv, **parse_kwargs)
     except C.ConfigError as err:

@@ -59,7 +59,15 @@ import sys
 from collections.abc import Sequence
 
 from experiments.common import Preset
-from experiments.presets import EnvExperiment, paper_overrides, small_lora_overrides, small_overrides
+from experiments.presets import (
+    LORA_HARDWARE,
+    PAPER_HARDWARE,
+    SMALL_HARDWARE,
+    EnvExperiment,
+    paper_overrides,
+    small_lora_overrides,
+    small_overrides,
+)
 from mage_jax.evaluation.evaluator import EvalProtocol
 
 EXPERIMENT = "kuhn_poker"
@@ -120,11 +128,12 @@ PAPER = {**_MAGE_KUHN, **paper_overrides("kuhn_poker", privileged_reflection=Tru
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(TINY, "from-scratch 2-layer model, word-level tokenizer, CPU, minutes"),
-    "small": Preset(SMALL, "Qwen3-0.6B from --model-path, reflections, full prompts", needs_model_path=True),
+    "small": Preset(SMALL, "Qwen3-0.6B from --model-path, reflections, full prompts", needs_model_path=True,
+                    hardware=SMALL_HARDWARE),
     "small-lora": Preset(SMALL_LORA, "the small preset with LoRA adapters, for one 16 GB GPU (Colab T4)",
-                         needs_model_path=True),
+                         needs_model_path=True, hardware=LORA_HARDWARE),
     "paper": Preset(PAPER, "Qwen3-4B from --model-path, the paper's settings (spec section 8)",
-                    needs_model_path=True),
+                    needs_model_path=True, hardware=PAPER_HARDWARE),
 }
 
 

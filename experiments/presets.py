@@ -7,11 +7,15 @@ Scales (``--preset``):
   a random network cannot write them). Minutes per run; it exercises the whole method, not the
   paper's model.
 * ``small`` — a Qwen3-0.6B-class model from a local Hugging Face folder (``--model-path DIR``),
-  full prompts with reflections, reduced batch and lengths (Colab / one GPU).
+  full prompts with reflections, reduced batch and lengths: one 24 GB GPU (``SMALL_HARDWARE``).
 * ``small-lora`` — ``small`` with rank-16 LoRA adapters (frozen bfloat16 base), sized for one 16 GB
-  Colab GPU (T4); see ``small_lora_overrides``.
+  Colab GPU (T4, ``LORA_HARDWARE``); see ``small_lora_overrides``.
 * ``paper`` — Qwen3-4B from a local folder with the paper's settings (spec section 8), parameters
-  and optimizer state sharded over all devices (``mesh.fsdp=-1``: a TPU VM or a multi-GPU host).
+  and optimizer state sharded over all devices (``mesh.fsdp=-1``): a host of 8 H100 80 GB or a TPU
+  v5p-8 (``PAPER_HARDWARE``).
+
+``python -m experiments.plan --env ENV --preset PRESET`` checks a preset against its hardware ahead of
+time (``Preset.hardware``; tests/experiments/test_plan.py holds every preset to it).
 
 ``EnvExperiment`` bundles what the experiment modules, ``experiments.baselines``, the ablations and
 ``experiments.table1`` need to know about one environment: its presets, its evaluation protocol
@@ -63,6 +67,13 @@ PAPER_SETTINGS: dict[str, PaperSettings] = {
     "minesweeper": PaperSettings(16, 8, 300, 7, 4096, 4096, False, 1.0, 0.5, 0.6),
 }
 
+SMALL_HARDWARE = ("l4-24gb",)
+"""Where the ``small`` presets must fit (names of ``experiments.plan.HARDWARE``): one 24 GB GPU."""
+PAPER_HARDWARE = ("h100-80gb", "tpu-v5p")
+"""Where the ``paper`` presets must fit: 8 x H100 80 GB, and a TPU v5p-8 (4 chips of 95 GiB)."""
+LORA_HARDWARE = ("t4-16gb",)
+"""Where the ``small-lora`` presets must fit: one 16 GB Colab GPU."""
+
 TINY_MODEL = {
     "model.preset": "tiny",
     "model.overrides": {"hidden_size": 64, "intermediate_size": 192, "num_layers": 2, "num_heads": 4,
@@ -110,9 +121,6 @@ def _pretrained(env: str, *, privileged_reflection: bool = False) -> dict[str, A
         "tokenizer.enable_thinking": True,
         # Every decoder block recomputed in the backward pass: activations of one block at a time.
         "model.overrides": {"remat": "full"},
-        # Gradients accumulated over 16-row micro-batches (2 rows per device on 8): the 12288-token bucket
-        # fits 80 GB per device (docs/attention.md).
-        "optim.micro_batch_rows": 16,
         "rollout.num_episodes": 3,
         "rollout.memory_mode": "reflection_only",
         "rollout.reflect": True,
@@ -132,11 +140,17 @@ def _pretrained(env: str, *, privileged_reflection: bool = False) -> dict[str, A
 
 
 def small_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
-    """Qwen3-0.6B-class from a local folder: half the batch, shorter responses, 50 iterations."""
+    """Qwen3-0.6B-class from a local folder: half the batch, shorter responses, 50 iterations, one GPU."""
     p = PAPER_SETTINGS[env]
     return {
         **_pretrained(env, **kwargs),
         "model.preset": "qwen3-0.6b",
+        # One 24 GB GPU (python -m experiments.plan): bfloat16 activations and KV cache, one row per
+        # forward/backward pass, 8 rows decoded at once (the float32 parameters, AdamW moments and
+        # reference parameters alone hold 9.5 GB).
+        "model.dtype": "bfloat16",
+        "optim.micro_batch_rows": 1,
+        "rollout.max_decode_rows": 8,
         "rollout.num_tasks": max(4, p.num_tasks // 2),
         "rollout.group_size": p.group_size,
         "rollout.max_prompt_tokens": min(p.max_prompt_tokens, 4096),
@@ -187,6 +201,10 @@ def paper_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
         **_pretrained(env, **kwargs),
         "model.preset": "qwen3-4b",
         "model.dtype": "bfloat16",
+        # Fits 8 x H100 80 GB and a TPU v5p-8 (4 chips of 95 GiB) by python -m experiments.plan: gradients
+        # accumulated over 8-row micro-batches (1 row per device on 8, 2 on 4), 64 rows decoded at once.
+        "optim.micro_batch_rows": 8,
+        "rollout.max_decode_rows": 64,
         "rollout.num_tasks": p.num_tasks,
         "rollout.group_size": p.group_size,
         "rollout.max_prompt_tokens": p.max_prompt_tokens,
@@ -206,13 +224,13 @@ def scale_presets(env_overrides: Mapping[str, Any], tiny: Mapping[str, Any], env
                        "from-scratch 2-layer model, word-level tokenizer, CPU, minutes"),
         "small": Preset({**env_overrides, **small_overrides(env, **pretrained_kwargs)},
                         "Qwen3-0.6B-class model from --model-path, reflections, full prompts",
-                        needs_model_path=True),
+                        needs_model_path=True, hardware=SMALL_HARDWARE),
         "small-lora": Preset({**env_overrides, **small_lora_overrides(env, **pretrained_kwargs)},
                              "the small preset with LoRA adapters, for one 16 GB GPU (Colab T4)",
-                             needs_model_path=True),
+                             needs_model_path=True, hardware=LORA_HARDWARE),
         "paper": Preset({**env_overrides, **paper_overrides(env, **pretrained_kwargs)},
                         "Qwen3-4B from --model-path, the paper's settings (spec section 8)",
-                        needs_model_path=True),
+                        needs_model_path=True, hardware=PAPER_HARDWARE),
     }
 
 

@@ -164,6 +164,9 @@ class RolloutConfig:
     """Reflect-row generation limit; None: same as max_response_tokens."""
     max_turns: int | None = None
     """Per-episode turn limit; None: the environment's own."""
+    max_decode_rows: int = 0
+    """Most rows the sampler decodes at once (a larger rollout or evaluation is decoded in chunks of this
+    many rows, each with its own KV cache); 0: the whole batch at once. Bounds the KV cache per device."""
     length_buckets: tuple[int, ...] = ()
     """Token-length buckets of prompts (sampler) and of prompt + response rows (training); each bucket
     compiles once. Empty: 64, 96, 128, 192, ... up to the limits."""
@@ -656,6 +659,7 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     _check(r.max_prompt_tokens >= 1, f"rollout.max_prompt_tokens must be >= 1 (got {r.max_prompt_tokens})")
     _check(r.max_response_tokens >= 1,
            f"rollout.max_response_tokens must be >= 1 (got {r.max_response_tokens})")
+    _check(r.max_decode_rows >= 0, f"rollout.max_decode_rows must be >= 0 (got {r.max_decode_rows})")
     if r.max_reflection_tokens is not None:
         _check(r.max_reflection_tokens >= 1, "rollout.max_reflection_tokens must be >= 1")
     if r.max_turns is not None:

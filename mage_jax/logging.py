@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
@@ -93,11 +94,18 @@ class MetricsLogger:
         config: Mapping[str, Any] | None = None,
         resume_iteration: int | None = None,
         keep_evaluations: bool = True,
+        writes: bool | None = None,
     ):
         self.run_dir = run_dir
-        os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.samples_path = os.path.join(run_dir, SAMPLES_FILE)
+        # Several processes of one run log the same records: only process 0 writes them.
+        self.writes = jax.process_index() == 0 if writes is None else writes
+        self._file: Any = None
+        self._tb = self._wandb = None
+        if not self.writes:
+            return
+        os.makedirs(run_dir, exist_ok=True)
         for path in (self.path, self.samples_path):
             if resume_iteration is not None:
                 truncate_after(path, resume_iteration, keep_evaluations=keep_evaluations)
@@ -110,6 +118,8 @@ class MetricsLogger:
     def log(self, iteration: int, metrics: Mapping[str, Any], *, split: str = "train") -> dict[str, Any]:
         record = {"split": split, "iteration": int(iteration), "time": round(time.time(), 3)}
         record.update(to_jsonable(dict(metrics)))
+        if not self.writes:
+            return record
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         scalars = {k: v for k, v in record.items() if k not in ("split", "iteration", "time")
@@ -125,6 +135,8 @@ class MetricsLogger:
     def log_samples(self, iteration: int, samples: Sequence[Any], *, split: str, text: str) -> None:
         """Append sampled model calls (dataclasses, ``evaluation.samples.Sample``) to ``samples.jsonl``,
         one record each, and ``text`` (their markdown) to TensorBoard when on."""
+        if not self.writes:
+            return
         with open(self.samples_path, "a") as f:
             for s in samples:
                 record = {"split": split, "iteration": int(iteration), **dataclasses.asdict(s)}
@@ -134,7 +146,7 @@ class MetricsLogger:
             self._tb.flush()
 
     def close(self) -> None:
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
         if self._tb is not None:
             self._tb.close()

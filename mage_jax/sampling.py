@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from mage_jax.constraints import TokenAutomaton, allowed_tokens, stack_automata
+from mage_jax.models.sharding import to_host
 
 DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -353,8 +354,8 @@ class Sampler:
                 temperature,
                 np.float32(params.top_p),
             )
-        out_tokens, out_logps = np.asarray(out_tokens), np.asarray(out_logps)
-        lengths, finished = np.asarray(lengths), np.asarray(finished)
+        out_tokens, out_logps, lengths, finished = (to_host(a) for a in (out_tokens, out_logps, lengths,
+                                                                          finished))
         toks = [out_tokens[r, : lengths[r]].copy() for r in range(n)]
         lps = [out_logps[r, : lengths[r]].copy() for r in range(n)]
         return toks, lps, finished[:n].copy(), batch

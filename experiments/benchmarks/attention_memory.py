@@ -6,7 +6,9 @@ parameters, lowers and compiles the train step's gradient program, the log-prob 
 sampler (prefill + decode loop), and reads ``compiled.memory_analysis()``. Nothing is allocated, so
 it runs on CPU; with ``--devices 8`` the 8 devices are fake CPU devices
 (``--xla_force_host_platform_device_count``), set before JAX is imported, and XLA:CPU uses its
-memory-minimising schedule (``CPU_MEMORY_FLAGS``).
+memory-minimising schedule (``experiments.plan.CPU_MEMORY_FLAGS``). The programs are built by
+``experiments.plan`` (the preset's scale plan for every hardware); this benchmark varies attention,
+remat and micro-batches around them.
 
 Compiling 36 layers at 12k tokens is slow, so each program is compiled at ``--layers`` (default 3 and
 4) and extrapolated linearly to the full depth: peak(L) = peak(4) + (L - 4) * (peak(4) - peak(3)). The
@@ -21,182 +23,37 @@ the preset's attention and remat policy) and writes the JSON report.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from experiments import plan
+
 GB = 1e9
 H100_BYTES = 80 * GB
 
 
-# XLA:CPU's default schedule favours concurrency over memory: it runs rematerialised forward passes
-# of every layer early and keeps all their activations alive, which the GPU and TPU schedulers never
-# do. Memory analysis on CPU is meaningful only with the memory-minimising schedule.
-CPU_MEMORY_FLAGS = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-
-
-def force_cpu_devices(count: int) -> None:
-    """``count`` fake CPU devices with the memory-minimising schedule; must run before JAX starts."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        flags = f"{flags} --xla_force_host_platform_device_count={count}"
-    if "concurrency_optimized_scheduler" not in flags:
-        flags = f"{flags} {CPU_MEMORY_FLAGS}"
-    os.environ["XLA_FLAGS"] = flags.strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """The paper preset's pieces with abstract parameters: config, model, mesh, train step, sampler."""
-
-    cfg: Any
-    model_config: Any
-    mesh: Any
-    graphdef: Any
-    params: Any  # ShapeDtypeStructs carrying their shardings
-    step: Any
-    sampler: Any
-
-    def params_shardings(self) -> Any:
-        import jax
-
-        return jax.tree.map(lambda a: a.sharding, self.params)
-
-
-def paper_setup(num_layers: int, *, attention: str | None = None, remat: str | None = None,
-                micro_batch_rows: int | None = None) -> Setup:
-    """The Kuhn Poker ``paper`` preset at ``num_layers`` layers (attention / remat / the train step's
-    micro-batch rows: the preset's unless given)."""
-    import jax
-    from flax import nnx
-
-    from experiments.kuhn_poker import PRESETS
-    from mage_jax import config as C
-    from mage_jax.models import sharding as shd
-    from mage_jax.models.config import ModelConfig
-    from mage_jax.models.transformer import Transformer
-    from mage_jax.sampling import Sampler
-    from mage_jax.training.assemble import step_config
-    from mage_jax.training.train_step import TrainStep, learning_rate_schedule, make_optimizer
-
-    cfg = C.apply_overrides(C.ExperimentConfig(name="kuhn_poker"), PRESETS["paper"].overrides)
+def paper_setup(num_layers: int, devices: int, *, attention: str | None = None, remat: str | None = None,
+                micro_batch_rows: int | None = None) -> plan.Setup:
+    """The Kuhn Poker ``paper`` preset at ``num_layers`` layers as the plan builds it (attention / remat /
+    the train step's micro-batch rows: the preset's unless given)."""
+    overrides: dict[str, Any] = {}
     if micro_batch_rows is not None:
-        cfg = C.apply_overrides(cfg, {"optim.micro_batch_rows": micro_batch_rows})
-    m = cfg.model
-    # What build_model does with a local folder: the HF config (float32 parameters), then the preset's
-    # activation dtype and model overrides.
-    base = ModelConfig.from_hf_config(ModelConfig.preset(m.preset).to_hf_config())
-    overrides = dict(m.overrides)
+        overrides["optim.micro_batch_rows"] = micro_batch_rows
+    model = dict(plan.preset_config("kuhn_poker", "paper").model.overrides)
     if attention is not None:
-        overrides["attention"] = attention
+        model["attention"] = attention
     if remat is not None:
-        overrides["remat"] = remat
-    model_config = dataclasses.replace(base, dtype=m.dtype, num_layers=num_layers, **overrides)
-    mesh = shd.make_mesh(shd.MeshConfig(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tensor=cfg.mesh.tensor))
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
-    shardings = shd.param_shardings(abstract, mesh)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract, shardings)
-    o = cfg.optim
-    schedule = learning_rate_schedule(o.lr, o.warmup_steps)
-    optimizer = make_optimizer(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
-    step = TrainStep(graphdef, optimizer, schedule, step_config(cfg), mesh)
-    sampler = Sampler(graphdef, model_config, eos_ids=[1], pad_id=0, mesh=mesh, state_shardings=shardings)
-    return Setup(cfg, model_config, mesh, graphdef, params, step, sampler)
-
-
-def _memory(compiled) -> dict[str, float]:
-    """Per-device bytes of a compiled program; ``peak`` is arguments + outputs - aliased + temporaries."""
-    mem = compiled.memory_analysis()
-    out = {
-        "argument": mem.argument_size_in_bytes,
-        "output": mem.output_size_in_bytes,
-        "alias": mem.alias_size_in_bytes,
-        "temp": mem.temp_size_in_bytes,
-    }
-    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    return out
-
-
-def _rows_spec(setup: Setup, shape: Sequence[int], dtype) -> Any:
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from mage_jax.models.sharding import BATCH_AXES
-
-    spec = PartitionSpec(BATCH_AXES, *([None] * (len(shape) - 1)))
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(setup.mesh, spec))
-
-
-def _train_batch(setup: Setup, rows: int, length: int) -> Any:
-    import jax.numpy as jnp
-
-    from mage_jax.training.train_step import TrainBatch
-
-    batch = {name: _rows_spec(setup, (rows, length), dtype) for name, dtype in (
-        ("tokens", jnp.int32), ("positions", jnp.int32), ("token_mask", jnp.bool_), ("targets", jnp.int32),
-        ("response_mask", jnp.bool_), ("old_logprobs", jnp.float32))}
-    batch["prompt_lengths"] = _rows_spec(setup, (rows,), jnp.int32)
-    batch["advantages"] = _rows_spec(setup, (rows,), jnp.float32)
-    if setup.step.config.kl_coef > 0:
-        batch["ref_logprobs"] = _rows_spec(setup, (rows, length), jnp.float32)
-    return TrainBatch(**batch)
-
-
-def compile_train_grads(setup: Setup, rows: int, length: int):
-    """The train step's loss-and-gradient program, exactly as ``TrainStep.update`` jits it."""
-    import jax
-
-    step = setup.step
-    fn = jax.jit(step._grads_fn, out_shardings=(setup.params_shardings(), step._replicated))
-    with jax.set_mesh(setup.mesh):
-        return fn.lower(setup.params, _train_batch(setup, rows, length)).compile()
-
-
-def compile_logprobs(setup: Setup, rows: int, length: int):
-    """The log-prob recompute (old and reference log-probs), as ``TrainStep.compute_logprobs`` jits it."""
-    import jax
-    import jax.numpy as jnp
-
-    step = setup.step
-
-    def fn(params, batch):
-        logp, _ = step._token_logprobs(params, batch)
-        return jnp.where(batch.response_mask, logp, 0.0)
-
-    jitted = jax.jit(fn, out_shardings=step._batch_sharding)
-    with jax.set_mesh(setup.mesh):
-        return jitted.lower(setup.params, _train_batch(setup, rows, length)).compile()
-
-
-def compile_sampler(setup: Setup, rows: int, prompt: int, new_tokens: int):
-    """The sampler's jitted prefill + decode loop for ``rows`` prompts of ``prompt`` tokens."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from mage_jax.models.sharding import cache_sharding
-    from mage_jax.models.transformer import init_cache
-    from mage_jax.sampling import _Static
-
-    sampler = setup.sampler
-    fn = sampler._build(_Static(greedy=False, top_k=0, use_top_p=False, constrained=False))
-    sharding = cache_sharding(setup.model_config, setup.mesh, rows)
-    cache = jax.eval_shape(lambda: init_cache(setup.model_config, rows, prompt + new_tokens))
-    cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), cache)
-    args = (setup.params, cache, _rows_spec(setup, (rows, prompt), jnp.int32),
-            _rows_spec(setup, (rows, prompt), jnp.bool_), _rows_spec(setup, (rows,), jnp.int32), None,
-            jax.random.key(0), np.float32(1.0), np.float32(1.0))
-    with jax.set_mesh(setup.mesh):
-        return fn.lower(*args).compile()
+        model["remat"] = remat
+    overrides["model.overrides"] = model
+    cfg = plan.preset_config("kuhn_poker", "paper", overrides)
+    return plan.make_setup(cfg, devices, num_layers=num_layers)
 
 
 def program_memory(program: str, layers: Sequence[int], *, length: int, rows: int, attention: str | None,
-                   remat: str | None, prompt: int = 0, micro_batch_rows: int | None = None) -> dict[str, Any]:
+                   remat: str | None, prompt: int = 0, micro_batch_rows: int | None = None,
+                   devices: int = 8) -> dict[str, Any]:
     """Compile ``program`` at each depth in ``layers`` and extrapolate its per-device bytes to full depth."""
     from mage_jax.models.attention import choose_implementation
     from mage_jax.models.config import ModelConfig
@@ -206,16 +63,16 @@ def program_memory(program: str, layers: Sequence[int], *, length: int, rows: in
     started = time.perf_counter()
     setup = None
     for n in layers:
-        setup = paper_setup(n, attention=attention, remat=remat, micro_batch_rows=micro_batch_rows)
+        setup = paper_setup(n, devices, attention=attention, remat=remat, micro_batch_rows=micro_batch_rows)
         if program == "train_grads":
-            compiled = compile_train_grads(setup, rows, length)
+            compiled = plan.compile_train_grads(setup, rows, length)
         elif program == "logprobs":
-            compiled = compile_logprobs(setup, rows, length)
+            compiled = plan.compile_logprobs(setup, rows, length)
         elif program == "sampler":
-            compiled = compile_sampler(setup, rows, prompt, length - prompt)
+            compiled = plan.plan_rollout(setup, (rows, prompt, length - prompt))
         else:
             raise ValueError(f"unknown program {program!r}")
-        measured[n] = _memory(compiled)
+        measured[n] = plan.ProgramMemory.of(compiled).as_dict()
     lo, hi = min(layers), max(layers)
     per_layer = {k: (measured[hi][k] - measured[lo][k]) / max(hi - lo, 1) for k in measured[lo]}
     extrapolated = {k: measured[hi][k] + (full_depth - hi) * per_layer[k] for k in measured[hi]}
@@ -262,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=["before", "whole", "after"],
                         choices=["before", "whole", "after"])
     args = parser.parse_args(argv)
-    force_cpu_devices(args.devices)
+    plan.force_cpu_devices(args.devices)
 
     from experiments.benchmarks.common import machine, write_report
 
@@ -277,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows = args.sampler_rows if program == "sampler" else args.train_rows
                 prompt = length // 3 if program == "sampler" else 0  # the paper's 4096 : 8192 split
                 r = program_memory(program, args.layers, length=length, rows=rows, attention=attention,
-                                   remat=remat, prompt=prompt, micro_batch_rows=micro)
+                                   remat=remat, prompt=prompt, micro_batch_rows=micro, devices=args.devices)
                 r["variant"] = variant
                 results.append(r)
                 print(f"{program} T={length} {variant}: {r['extrapolated']['peak'] / GB:,.1f} GB per device "

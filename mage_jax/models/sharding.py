@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from mage_jax.models.config import ModelConfig
@@ -169,6 +172,14 @@ def constrain_rows(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *([None] * (x.ndim - 1))))
 
 
+def to_host(x: jax.Array) -> Any:
+    """The whole of a (possibly multi-process) array as numpy on this host. With several processes a
+    row-sharded array has rows on other hosts: they are gathered (every process must call this)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
@@ -184,13 +195,25 @@ def cache_sharding(config: ModelConfig, mesh: Mesh, batch: int) -> NamedSharding
     return NamedSharding(mesh, PartitionSpec(rows, heads, None, None))
 
 
-def init_sharded(config: ModelConfig, mesh: Mesh, seed: int = 0) -> tuple[nnx.GraphDef, Any]:
-    """Initialise a fresh model directly into its shardings (no full copy on one device)."""
+def abstract_sharded(config: ModelConfig, mesh: Mesh, seed: int = 0) -> tuple[nnx.GraphDef, Any]:
+    """The graph and the parameter state of ``config`` as ``ShapeDtypeStruct`` leaves carrying their
+    shardings: what ``init_sharded`` would place, without allocating anything (ahead-of-time plans)."""
     from mage_jax.models.transformer import Transformer
 
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed)))
     graphdef, abstract_state = nnx.split(abstract)
     shardings = param_shardings(abstract_state, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state,
+                         shardings)
+    return graphdef, state
+
+
+def init_sharded(config: ModelConfig, mesh: Mesh, seed: int = 0) -> tuple[nnx.GraphDef, Any]:
+    """Initialise a fresh model directly into its shardings (no full copy on one device)."""
+    from mage_jax.models.transformer import Transformer
+
+    graphdef, abstract_state = abstract_sharded(config, mesh, seed)
+    shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
 
     def init():
         return nnx.split(Transformer(config, rngs=nnx.Rngs(seed)))[1]
@@ -211,3 +234,32 @@ def initialize_distributed(enabled: bool, **kwargs: Any) -> bool:
         return True
     jax.distributed.initialize(**kwargs)
     return True
+
+
+DISTRIBUTED_ENV = "MAGE_DISTRIBUTED"
+
+
+def initialize_from_environment(environ: Mapping[str, str] | None = None) -> bool:
+    """Join a multi-process run when ``MAGE_DISTRIBUTED=1`` is set (docs/scaling.md); returns whether it did.
+
+    ``JAX_COORDINATOR_ADDRESS`` (host:port of process 0), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
+    are passed on when set (a GPU cluster without SLURM); on a Cloud TPU pod slice or under SLURM
+    ``jax.distributed`` discovers them itself. Every process then sees the devices of all processes
+    (``jax.devices()``) and the mesh spans them; each runs the same program.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(DISTRIBUTED_ENV, "0").strip().lower() in ("", "0", "false", "no"):
+        return False
+    kwargs: dict[str, Any] = {}
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        kwargs["coordinator_address"] = env["JAX_COORDINATOR_ADDRESS"]
+    if env.get("JAX_NUM_PROCESSES"):
+        kwargs["num_processes"] = int(env["JAX_NUM_PROCESSES"])
+    if env.get("JAX_PROCESS_ID"):
+        kwargs["process_id"] = int(env["JAX_PROCESS_ID"])
+    return initialize_distributed(True, **kwargs)
+
+
+def is_main_process() -> bool:
+    """Process 0 of a multi-process run (always True in a single process): the one that writes logs."""
+    return jax.process_index() == 0

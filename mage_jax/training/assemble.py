@@ -173,9 +173,10 @@ def make_task_sampler(cfg: C.ExperimentConfig) -> TaskSampler:
         raise C.ConfigError(f"env.opponents / env.opponent_ratios: {err}") from None
 
 
-def make_mesh(cfg: C.ExperimentConfig):
+def make_mesh(cfg: C.ExperimentConfig, devices: Sequence[Any] | None = None):
+    """The mesh of ``cfg.mesh`` over all devices (or ``devices``); a bad shape is one ConfigError."""
     try:
-        return shd.make_mesh(cfg.mesh)
+        return shd.make_mesh(cfg.mesh, devices)
     except ValueError as err:
         raise C.ConfigError(f"mesh: {err}") from None
 
@@ -233,27 +234,37 @@ def build_tokenizer(cfg: C.ExperimentConfig, run_dir: str | None, task_sampler: 
         if saved and os.path.isdir(saved):
             return Tokenizer.load(saved)
         tok = Tokenizer.word_level(tokenizer_corpus(cfg, task_sampler))
-        if saved:
+        if saved and shd.is_main_process():  # every process built the same one
             tok.save(saved)
         return tok
     except TokenizerError as err:
         raise C.ConfigError(str(err)) from None
 
 
+def model_config_of(cfg: C.ExperimentConfig, *, hf_config: ModelConfig | None = None,
+                    vocab_size: int = 0) -> ModelConfig:
+    """The run's ``ModelConfig``: a folder's HF config (``hf_config``) or the named preset sized to the
+    tokenizer's ``vocab_size`` (rounded up to a multiple of 8), with the activation dtype, the LoRA
+    adapters and the overrides."""
+    m = cfg.model
+    fields = dict(dtype=m.dtype, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_targets=m.lora_targets,
+                  **m.overrides)
+    if hf_config is not None:
+        return dataclasses.replace(hf_config, **fields)
+    vocab = -(-vocab_size // 8) * 8
+    return ModelConfig.preset(m.preset, vocab_size=vocab, **fields)
+
+
 def build_model(cfg: C.ExperimentConfig, tokenizer: Tokenizer, mesh: Any) -> tuple[ModelConfig, Any, Any]:
     """(ModelConfig, graphdef, params): random init from a preset, or weights of a local HF folder."""
     m = cfg.model
     try:
-        lora = dict(lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_targets=m.lora_targets)
         seed = cfg.train.seed if m.init_seed is None else m.init_seed
         if m.path is not None:
-            base = ModelConfig.from_hf_dir(m.path)
-            model_config = dataclasses.replace(base, dtype=m.dtype, **{**lora, **m.overrides})
+            model_config = model_config_of(cfg, hf_config=ModelConfig.from_hf_dir(m.path))
             model_config, graphdef, params = load_hf_params(m.path, model_config, mesh=mesh, lora_seed=seed)
         else:
-            vocab = -(-tokenizer.vocab_size // 8) * 8
-            model_config = ModelConfig.preset(m.preset, vocab_size=vocab, dtype=m.dtype,
-                                              **{**lora, **m.overrides})
+            model_config = model_config_of(cfg, vocab_size=tokenizer.vocab_size)
             graphdef, params = shd.init_sharded(model_config, mesh, seed=seed)
     except (ValueError, TypeError) as err:
         raise C.ConfigError(f"model: {err}") from None
@@ -261,6 +272,38 @@ def build_model(cfg: C.ExperimentConfig, tokenizer: Tokenizer, mesh: Any) -> tup
         raise C.ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                             f"{model_config.vocab_size}")
     return model_config, graphdef, params
+
+
+def make_train_step(cfg: C.ExperimentConfig, graphdef: Any, mesh: Any) -> TrainStep:
+    """The jitted train step of ``cfg.optim`` (AdamW + clipping on its learning-rate schedule)."""
+    o = cfg.optim
+    schedule = learning_rate_schedule(o.lr, o.warmup_steps)
+    optimizer = make_optimizer(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
+    return TrainStep(graphdef, optimizer, schedule, step_config(cfg), mesh)
+
+
+def sampler_batch_buckets(cfg: C.ExperimentConfig, mesh: Any) -> tuple[int, ...]:
+    """Row buckets of the sampler: 8, 32, 128, 512 (those the batch axes divide) below the largest
+    rollout (training or evaluation), then that rollout rounded up to the batch axes; all capped at
+    ``rollout.max_decode_rows`` (a larger rollout is decoded in chunks of that many rows)."""
+    r = cfg.rollout
+    batch_axis = mesh.shape["data"] * mesh.shape["fsdp"]
+    largest = max(r.num_tasks * r.group_size, cfg.train.eval_meta_episodes,
+                  cfg.train.eval_heldout_meta_episodes)
+    if r.max_decode_rows:
+        largest = min(largest, r.max_decode_rows)
+    return tuple(b for b in (8, 32, 128, 512) if b % batch_axis == 0 and b < largest) + (
+        -(-largest // batch_axis) * batch_axis,)
+
+
+def make_sampler(cfg: C.ExperimentConfig, mesh: Any, model_config: ModelConfig, graphdef: Any,
+                 state_shardings: Any, *, eos_ids: Sequence[int], pad_id: int) -> Sampler:
+    """The rollout and evaluation sampler of ``cfg`` (prompt and row buckets, shardings of the mesh)."""
+    return Sampler(
+        graphdef, model_config, eos_ids=eos_ids, pad_id=pad_id,
+        prompt_buckets=length_buckets(cfg.rollout.max_prompt_tokens, cfg.rollout.length_buckets),
+        batch_buckets=sampler_batch_buckets(cfg, mesh), mesh=mesh, state_shardings=state_shardings,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,11 +338,7 @@ class RunParts:
 
     def train_step(self) -> TrainStep:
         """The jitted train step of ``cfg.optim`` (AdamW + clipping on its learning-rate schedule)."""
-        o = self.cfg.optim
-        schedule = learning_rate_schedule(o.lr, o.warmup_steps)
-        optimizer = make_optimizer(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
-                                   grad_clip=o.grad_clip)
-        return TrainStep(self.graphdef, optimizer, schedule, step_config(self.cfg), self.mesh)
+        return make_train_step(self.cfg, self.graphdef, self.mesh)
 
     def restore_params(self, directory: str, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """The trained parameters (and metadata) of a checkpoint, placed like ``init_params``."""
@@ -319,21 +358,12 @@ def build_parts(cfg: C.ExperimentConfig, run_dir: str | None, *, eval_mode: str 
     eval_runner = make_eval_runner(cfg, eval_mode)
     tokenizer = build_tokenizer(cfg, run_dir, task_sampler)
     model_config, graphdef, params = build_model(cfg, tokenizer, mesh)
-    r = cfg.rollout
-    batch_axis = mesh.shape["data"] * mesh.shape["fsdp"]
-    largest = max(r.num_tasks * r.group_size, cfg.train.eval_meta_episodes,
-                  cfg.train.eval_heldout_meta_episodes)
-    batch_buckets = tuple(b for b in (8, 32, 128, 512) if b % batch_axis == 0 and b < largest) + (
-        -(-largest // batch_axis) * batch_axis,)
-    sampler = Sampler(
-        graphdef, model_config, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
-        prompt_buckets=length_buckets(r.max_prompt_tokens, r.length_buckets), batch_buckets=batch_buckets,
-        mesh=mesh, state_shardings=shd.param_shardings(params, mesh),
-    )
+    sampler = make_sampler(cfg, mesh, model_config, graphdef, shd.param_shardings(params, mesh),
+                           eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
     return RunParts(
         cfg=cfg, mesh=mesh, tokenizer=tokenizer, model_config=model_config, graphdef=graphdef,
         sampler=sampler, task_sampler=task_sampler,
-        train_runner=make_runner(cfg, num_episodes=r.num_episodes), eval_runner=eval_runner,
+        train_runner=make_runner(cfg, num_episodes=cfg.rollout.num_episodes), eval_runner=eval_runner,
         init_params=params,
     )
 

@@ -24,6 +24,7 @@ from mage_jax import config as C
 from mage_jax.evaluation.evaluator import EvalProtocol, Evaluator
 from mage_jax.evaluation.report import build_summary, log_evaluation, write_plots, write_summary
 from mage_jax.logging import MetricsLogger
+from mage_jax.models.sharding import is_main_process
 from mage_jax.training.assemble import RunParts, build_parts
 from mage_jax.training.trainer import Trainer
 
@@ -72,7 +73,10 @@ def _nothing_left_on_error(run_dir: str) -> Iterator[None]:
 
 
 def _write_run_files(cfg: C.ExperimentConfig, protocol: EvalProtocol, run_dir: str) -> None:
-    """``config.json`` and ``experiment.json``: written once the run is built (and restored)."""
+    """``config.json`` and ``experiment.json``: written once the run is built (and restored), by process
+    0 of a multi-process run (as every file of the run directory but the checkpoints)."""
+    if not is_main_process():
+        return
     C.save(cfg, run_dir)
     path = os.path.join(run_dir, PROTOCOL_FILE)
     with open(path + ".tmp", "w") as f:
@@ -90,6 +94,8 @@ def finished_iteration(run_dir: str) -> int | None:
 
 
 def _mark_finished(run_dir: str, iteration: int) -> None:
+    if not is_main_process():
+        return
     path = os.path.join(run_dir, FINISHED_FILE)
     with open(path + ".tmp", "w") as f:
         json.dump({"iteration": iteration}, f)
@@ -106,20 +112,22 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
         parts = build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)
         trainer = Trainer(parts, Evaluator(parts, protocol, progress=cfg.logging.progress), resume=resume)
     _write_run_files(cfg, protocol, run_dir)
-    with contextlib.suppress(FileNotFoundError):  # a finished run trained further
-        os.remove(os.path.join(run_dir, FINISHED_FILE))
+    if is_main_process():
+        with contextlib.suppress(FileNotFoundError):  # a finished run trained further
+            os.remove(os.path.join(run_dir, FINISHED_FILE))
     setup_seconds = time.perf_counter() - start
     result = trainer.run()
     if result.final is None:
         return RunOutcome({"status": result.status, "iteration": result.iteration}, parts, trainer)
-    if cfg.logging.plots:
+    if cfg.logging.plots and is_main_process():
         write_plots(run_dir, result.final)
     summary = build_summary(
         experiment=experiment or cfg.name, iterations=result.iteration, run_dir=run_dir,
         model_config=parts.model_config, results=result.final, wall_seconds=time.perf_counter() - start,
         setup_seconds=setup_seconds, skipped_updates=result.skipped_updates,
     )
-    write_summary(run_dir, summary)
+    if is_main_process():
+        write_summary(run_dir, summary)
     _mark_finished(run_dir, result.iteration)
     return RunOutcome(summary, parts, trainer)
 
@@ -148,5 +156,6 @@ def evaluate(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, e
         model_config=parts.model_config, results=results, wall_seconds=time.perf_counter() - start,
         **summary_fields,
     )
-    write_summary(run_dir, summary)
+    if is_main_process():
+        write_summary(run_dir, summary)
     return RunOutcome(summary, parts)

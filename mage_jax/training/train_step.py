@@ -101,13 +101,13 @@ class TrainBatch:
         return int(self.tokens.shape[1])
 
 
-def gather_rows(table: jax.Array, index: np.ndarray, length: int) -> jax.Array:
-    """Rows ``index`` of a device-resident ``[N, >= length]`` table cut to ``length`` tokens, zeros for
-    padding rows (``-1``): the old / reference log-probs of a mini-batch without a host round trip."""
+def gather_rows(table: np.ndarray, index: np.ndarray, length: int) -> np.ndarray:
+    """Rows ``index`` of a host ``[N, >= length]`` table cut to ``length`` tokens, zeros for padding rows
+    (``-1``): the old / reference log-probs of a mini-batch. The tables live on the host: at the paper's
+    lengths one iteration's rows x 12288 tokens of float32 are tens of GB, more than a device holds."""
     index = np.asarray(index, dtype=np.int64)
-    pad = jnp.asarray(index < 0)[:, None]
-    rows = jnp.take(table, jnp.asarray(np.where(index < 0, 0, index)), axis=0)[:, :length]
-    return jnp.where(pad, 0.0, rows)
+    rows = np.asarray(table)[np.where(index < 0, 0, index), :length]
+    return np.where((index < 0)[:, None], np.float32(0.0), rows).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +227,7 @@ class TrainStep:
         params = jax.device_put(params, shd.param_shardings(params, self.mesh))
         if self.config.adapters_only and not lora.has_adapters(params):
             raise ValueError("adapters_only needs a model with LoRA adapters (ModelConfig.lora_rank > 0)")
-        opt_state = jax.jit(self.optimizer.init)(self._trainable(params)[0])
+        opt_state = jax.jit(self.optimizer.init)(self.trainable(params)[0])
         opt_state = jax.device_put(opt_state, shd.opt_state_shardings(opt_state, self.mesh))
         state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
         return jax.device_put(state, self.state_shardings(state))
@@ -255,7 +255,7 @@ class TrainStep:
         return jax.tree.map(place, batch)
 
     # ------------------------------------------------------------------ model
-    def _trainable(self, params: Any) -> tuple[Any, Any]:
+    def trainable(self, params: Any) -> tuple[Any, Any]:
         """(what the optimizer updates, the frozen rest or None): the adapters and the base under
         ``adapters_only``, else every parameter."""
         if self.config.adapters_only:
@@ -292,23 +292,54 @@ class TrainStep:
         return jnp.where(inside[:, :, None], picked, True)
 
     # ------------------------------------------------------------------ jitted entry points
+    def logprobs_program(self) -> Any:
+        """The jitted log-prob recompute, ``(params, batch, adapters)`` with ``adapters`` static
+        (``compute_logprobs`` runs it under the mesh; ``.lower`` it for an ahead-of-time compile)."""
+        if self._logprobs is None:
+
+            def one(params, batch):
+                logp, _ = self._token_logprobs(params, batch)
+                return jnp.where(batch.response_mask, logp, 0.0)
+
+            def fn(params, batch, adapters):
+                if not adapters:
+                    params = lora.without_adapters(params)
+                # ``micro_batch_rows`` rows at a time, like the update: the [rows, chunk, vocab] logits of
+                # a whole mini-batch would be the largest buffer of the run.
+                rows = batch.tokens.shape[0]
+                micro = self.config.micro_batch_rows or rows
+                if micro == rows or rows % micro:
+                    return one(params, batch)
+                # The parameters ride in the scan's carry, so the model (and its remat) is merged from
+                # them inside the loop body's trace.
+                _, parts = jax.lax.scan(lambda p, part: (p, one(p, part)), params,
+                                        split_micro_batches(batch, micro))
+                return merge_micro_batches(parts)
+
+            self._logprobs = jax.jit(fn, static_argnums=2, out_shardings=self._batch_sharding)
+        return self._logprobs
+
+    def update_programs(self, shardings: TrainState, *, donate: bool = True) -> tuple[Any, Any]:
+        """The two jitted programs of ``update`` for a state placed like ``shardings``: loss and gradients
+        of the trainable parameters (run under the mesh), and the optimizer step with the non-finite
+        and update-size skips (the state donated unless ``donate=False``)."""
+        if self._update is None:
+            grad_shardings = self.trainable(shardings.params)[0]
+            self._grads = jax.jit(self._grads_fn, out_shardings=(grad_shardings, self._replicated))
+            out_shardings = (shardings, self._replicated)
+            self._update = jax.jit(self._apply_fn, donate_argnums=(0,), out_shardings=out_shardings)
+            self._update_kept = jax.jit(self._apply_fn, out_shardings=out_shardings)
+        return self._grads, (self._update if donate else self._update_kept)
+
     def compute_logprobs(self, params: Any, batch: TrainBatch, *, adapters: bool = True) -> jax.Array:
         """log pi(target) at temperature 1, float32 [R, T] (0 outside the response).
 
         ``adapters=False`` switches LoRA adapters off (the frozen base model: the KL reference of a
         LoRA run, computed from the same parameters without a second copy of the base).
         """
-        if self._logprobs is None:
-
-            def fn(params, batch, adapters):
-                if not adapters:
-                    params = lora.without_adapters(params)
-                logp, _ = self._token_logprobs(params, batch)
-                return jnp.where(batch.response_mask, logp, 0.0)
-
-            self._logprobs = jax.jit(fn, static_argnums=2, out_shardings=self._batch_sharding)
+        program = self.logprobs_program()
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
-            return self._logprobs(params, batch, adapters)
+            return program(params, batch, adapters)
 
     def update(self, state: TrainState, batch: TrainBatch, lr_scale: float = 1.0, *,
                donate: bool = True) -> tuple[TrainState, dict[str, Any]]:
@@ -324,20 +355,13 @@ class TrainStep:
         optimizer step with the non-finite skip (shape independent, compiled once per ``donate``),
         so a new length bucket only recompiles the first.
         """
-        if self._update is None:
-            grad_shardings = self._trainable(self.state_shardings(state).params)[0]
-            self._grads = jax.jit(self._grads_fn, out_shardings=(grad_shardings,
-                                                                  self._replicated))
-            out_shardings = (self.state_shardings(state), self._replicated)
-            self._update = jax.jit(self._apply_fn, donate_argnums=(0,), out_shardings=out_shardings)
-            self._update_kept = jax.jit(self._apply_fn, out_shardings=out_shardings)
+        grads_program, apply_program = self.update_programs(self.state_shardings(state), donate=donate)
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
-            grads, metrics = self._grads(state.params, batch)
-        apply = self._update if donate else self._update_kept
-        return apply(state, grads, metrics, jnp.float32(lr_scale))
+            grads, metrics = grads_program(state.params, batch)
+        return apply_program(state, grads, metrics, jnp.float32(lr_scale))
 
     def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array], lr_scale: jax.Array):
-        params, frozen = self._trainable(state.params)
+        params, frozen = self.trainable(state.params)
         updates, new_opt_state = self.optimizer.update(grads, state.opt_state, params)
         # AdamW's updates (weight decay included) are proportional to the learning rate: scaling them
         # is the same as scaling the learning rate.
@@ -399,7 +423,7 @@ class TrainStep:
             zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
                                  jax.eval_shape(self._micro_grads, params, batch, 1.0, 1.0))
             (grads, metrics), _ = jax.lax.scan(body, zeros, split_micro_batches(batch, micro))
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, self._trainable(params)[0])
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, self.trainable(params)[0])
         metrics = dict(metrics, response_tokens=batch.response_mask.sum().astype(jnp.float32))
         return grads, metrics
 
@@ -408,7 +432,7 @@ class TrainStep:
         aggregation (``agg_weight`` for loss terms, ``token_weight`` for token-mean diagnostics)."""
         cfg = self.config
         mask = batch.response_mask
-        trainable, frozen = self._trainable(params)
+        trainable, frozen = self.trainable(params)
 
         def loss_fn(trainable):
             logp, entropy = self._token_logprobs(self._join(trainable, frozen), batch)
@@ -457,3 +481,9 @@ def split_micro_batches(batch: TrainBatch, micro_rows: int) -> TrainBatch:
         return jnp.moveaxis(x.reshape((micro_rows, n) + x.shape[1:]), 1, 0)
 
     return jax.tree.map(split, batch)
+
+
+def merge_micro_batches(parts: jax.Array) -> jax.Array:
+    """The inverse of ``split_micro_batches`` for one array: ``[n, micro_rows, ...]`` -> ``[R, ...]``."""
+    n, micro = parts.shape[:2]
+    return jnp.moveaxis(parts, 0, 1).reshape((n * micro,) + parts.shape[2:])

@@ -65,6 +65,7 @@ from mage_jax.evaluation.metrics import compute_metrics
 from mage_jax.evaluation.report import log_evaluation
 from mage_jax.evaluation.samples import render_markdown, sample_rows
 from mage_jax.logging import MetricsLogger
+from mage_jax.models.sharding import to_host
 from mage_jax.progress import NoBar, progress_bar
 from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices, pack_rows, pick_bucket
 from mage_jax.rollout.stopping import Interrupted, StoppablePolicy
@@ -183,20 +184,19 @@ class Trainer:
         advantages = np.asarray(compute_advantages(cfg.algorithm.estimator, packed.row_batch(), self.adv_cfg))
 
         # Old (and reference) log-probs of every real row, before any update of this iteration; they stay
-        # on the device and each mini-batch gathers its rows from them.
+        # on the host (tens of GB at the paper's lengths) and each mini-batch takes its rows from them.
         t1 = time.perf_counter()
-        old = jnp.zeros(packed.tokens.shape, jnp.float32)
-        ref = jnp.zeros(packed.tokens.shape, jnp.float32) if self.use_reference else None
+        old = np.zeros(packed.tokens.shape, np.float32)
+        ref = np.zeros(packed.tokens.shape, np.float32) if self.use_reference else None
         for idx in minibatch_indices(n, mb, permutation=np.argsort(row_lengths, kind="stable")):
             if self._stop.is_set():  # a safe point: the parameters are still the last iteration's
                 raise Interrupted
             placed = self.step.place_batch(batch(idx))
             real = idx[idx >= 0]
-            old = old.at[real, :placed.length].set(
-                self.step.compute_logprobs(self.state.params, placed)[:len(real)])
+            old[real, :placed.length] = to_host(
+                self.step.compute_logprobs(self.state.params, placed))[:len(real)]
             if ref is not None:
-                ref = ref.at[real, :placed.length].set(
-                    self._reference_logprobs(placed)[:len(real)])
+                ref[real, :placed.length] = to_host(self._reference_logprobs(placed))[:len(real)]
 
         # PPO epochs over shuffled mini-batches, a safe point between any two: the state the iteration
         # started from is kept (its first update does not donate it) unless it is on disk already.
@@ -217,11 +217,11 @@ class Trainer:
             for idx in blocks:
                 if stoppable and self._stop.is_set():
                     self._abandon_updates(start_state if keep_start else None)
-                placed = self.step.place_batch(batch(idx, advantages))
-                placed = placed.replace(
-                    old_logprobs=gather_rows(old, idx, placed.length),
-                    ref_logprobs=None if ref is None else gather_rows(ref, idx, placed.length),
-                )
+                rows = batch(idx, advantages)
+                placed = self.step.place_batch(rows.replace(
+                    old_logprobs=gather_rows(old, idx, rows.length),
+                    ref_logprobs=None if ref is None else gather_rows(ref, idx, rows.length),
+                ))
                 self.state, metrics = self.step.update(self.state, placed, lr_scale,
                                                        donate=not (keep_start and not step_metrics))
                 step_metrics.append(metrics)

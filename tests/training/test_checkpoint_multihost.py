@@ -16,7 +16,10 @@ CODE = """
 import json, os
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from mage_jax.models.sharding import initialize_from_environment
 from mage_jax.training.checkpoint import Checkpointer, state_digests
+
+initialize_from_environment()
 
 ROOT, PHASE = {root!r}, {phase!r}
 mesh = Mesh(np.array(jax.devices()), ("x",))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -312,6 +314,28 @@ def test_micro_batches_give_the_whole_mini_batch_gradients_and_metrics(model, ag
     leaves = zip(jax.tree.leaves(before), jax.tree.leaves(whole_params), jax.tree.leaves(micro_params))
     for p0, a, c in leaves:
         np.testing.assert_allclose(p0 - c, p0 - a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_logprob_recompute_over_micro_batches_is_the_whole_batch_recompute(model, remat):
+    """``compute_logprobs`` runs ``micro_batch_rows`` rows at a time (strided, like the update) and puts
+    every row back in its place, with or without rematerialised blocks."""
+    config, mesh, _, _ = model
+    graphdef, params = shd.init_sharded(dataclasses.replace(config, remat=remat), mesh, seed=0)
+    schedule = learning_rate_schedule(1e-3)
+
+    def logprobs(micro_batch_rows):
+        import optax
+
+        config = StepConfig(chunk_size=5, micro_batch_rows=micro_batch_rows)
+        step = TrainStep(graphdef, optax.sgd(schedule), schedule, config, mesh)
+        batch = step.place_batch(TrainBatch(**micro_batch_rows_batch()))
+        return np.asarray(step.compute_logprobs(params, batch))
+
+    whole = logprobs(0)
+    assert (whole[0] != whole[1]).any() and (whole[3] == 0).all()
+    np.testing.assert_allclose(logprobs(2), whole, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(logprobs(4), whole, rtol=1e-6, atol=1e-6)
 
 
 def test_micro_batch_rows_must_divide_the_mini_batch(model):

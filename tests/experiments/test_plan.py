@@ -1,0 +1,149 @@
+"""``python -m experiments.plan``: a preset's programs compiled ahead of time on fake CPU devices, the
+bytes per device they need beside the resident state, and a verdict per hardware.
+
+The end-to-end run plans the tiny preset (2 layers: compiled at full depth, nothing extrapolated) and
+checks its KV cache against the closed form. ``test_every_pretrained_preset_fits_its_named_hardware``
+plans every ``small`` and ``paper`` preset at full width and length (each program compiled at 3 and 4
+layers and extrapolated linearly to the model's depth); it takes tens of minutes on two cores, so it
+runs when ``MAGE_PLAN_PRESETS=1`` is set (docs/scaling.md has its table).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from experiments import plan
+from experiments.environments import ENVIRONMENTS
+from experiments.presets import PAPER_HARDWARE, SMALL_HARDWARE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop(plan.CHILD_ENV, None)
+    return subprocess.run([sys.executable, "-m", "experiments.plan", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--env", "chess", "--preset", "paper"], "unknown environment 'chess'"),
+    (["--env", "kuhn_poker", "--preset", "huge"], "unknown preset 'huge'"),
+    (["--env", "kuhn_poker", "--preset", "paper", "--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
+    (["--env", "kuhn_poker", "--preset", "paper", "--mesh", "fsdp=two"], "--mesh fsdp must be an integer"),
+    (["--env", "kuhn_poker", "--preset", "paper", "--mesh", "pipeline=2"], "--mesh takes data=N"),
+    (["--env", "kuhn_poker", "--preset", "paper", "--devices", "6", "--mesh", "data=1,fsdp=4,tensor=1"],
+     "needs 4 devices, found 6"),
+    (["--env", "kuhn_poker", "--preset", "paper", "--devices", "0"], "--devices must be >= 1"),
+    (["--env", "kuhn_poker", "--preset", "paper", "--layers", "4", "3"], "--layers takes two depths"),
+    (["--env", "kuhn_poker"], "the following arguments are required: --preset"),
+    (["--env", "kuhn_poker", "--preset", "paper", "--set", "optim.micro_batch_rows=7"],
+     "optim.micro_batch_rows must be 0 or divide"),
+])
+def test_bad_arguments_are_one_error_line_and_exit_2(capsys, args, message):
+    assert plan.main(args) == plan.EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_every_pretrained_preset_names_hardware_of_the_table():
+    assert set(SMALL_HARDWARE) | set(PAPER_HARDWARE) <= set(plan.HARDWARE)
+    for spec in ENVIRONMENTS.values():
+        assert spec.presets["small"].hardware == ("l4-24gb",), spec.name
+        assert spec.presets["paper"].hardware == ("h100-80gb", "tpu-v5p"), spec.name
+        assert plan.named_hardware(spec.name, "paper") == PAPER_HARDWARE
+
+
+def test_extrapolation_is_linear_in_layers():
+    lo, hi = (3, {"peak": 10.0, "temp": 4.0}), (4, {"peak": 12.5, "temp": 4.5})
+    assert plan.extrapolate(lo, hi, 36) == {"peak": 12.5 + 32 * 2.5, "temp": 4.5 + 32 * 0.5}
+    assert plan.extrapolate(hi, hi, 2) == {"peak": 12.5, "temp": 4.5}  # compiled at full depth
+
+
+def _synthetic_plan(*, state: float, extra: dict[str, float], devices: int = 8) -> dict:
+    programs = {name: {"rows": 64, "length": 12288, "flops": 1e15, "extra": e, "need": state + e}
+                for name, e in extra.items()}
+    largest = max(programs, key=lambda n: programs[n]["need"])
+    return {"devices": devices, "kv_cache": 30e9, "largest": largest, "peak": programs[largest]["need"],
+            "state": {"total": state}, "programs": programs}
+
+
+def test_verdict_compares_the_peak_with_usable_memory_and_says_what_to_change():
+    cfg = plan.preset_config("kuhn_poker", "paper")
+    h100 = plan.HARDWARE["h100-80gb"]
+    fits = plan.verdict(_synthetic_plan(state=8e9, extra={"train_grads": 60e9, "train_apply": 1e9,
+                                                           "logprobs": 5e9, "rollout": 40e9}), h100, cfg)
+    assert fits["fits"] and fits["advice"] == [] and fits["headroom"] == pytest.approx(72e9 - 68e9)
+    assert fits["seconds_at_peak"]["train_grads"] == pytest.approx(1e15 / 989e12)
+    rollout = plan.verdict(_synthetic_plan(state=8e9, extra={"train_grads": 30e9, "train_apply": 1e9,
+                                                              "logprobs": 5e9, "rollout": 70e9}), h100, cfg)
+    assert not rollout["fits"] and "rollout.max_decode_rows to 32" in rollout["advice"][0]
+    assert "more devices (over by 6.0 GB per device)" in rollout["advice"][-1]
+    grads = plan.verdict(_synthetic_plan(state=50e9, extra={"train_grads": 30e9, "train_apply": 1e9,
+                                                             "logprobs": 5e9, "rollout": 20e9}, devices=4),
+                         h100, cfg)
+    assert not grads["fits"] and "LoRA" in grads["advice"][0]
+    assert any("optim.micro_batch_rows 4 (now 8)" in a for a in grads["advice"])  # 2 rows per device now
+    one_row = plan.verdict(_synthetic_plan(state=50e9, extra={"train_grads": 30e9, "train_apply": 1e9,
+                                                               "logprobs": 5e9, "rollout": 20e9}), h100, cfg)
+    assert not any("micro_batch_rows" in a for a in one_row["advice"])  # already 1 row per device
+
+
+def test_plan_of_the_tiny_preset_end_to_end():
+    proc = _run("--env", "kuhn_poker", "--preset", "tiny", "--devices", "2", "--hardware", "t4-16gb",
+                "--hardware", "l4-24gb", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiling train_grads on 2 devices" in proc.stderr  # progress while compiling
+    out = json.loads(proc.stdout)
+    assert out["env"] == "kuhn_poker" and out["preset"] == "tiny"
+    assert out["layers_compiled"] == [2] and out["full_depth"] == 2
+    (p,) = out["plans"]
+    assert p["devices"] == 2 and p["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert set(p["programs"]) == set(plan.PROGRAMS)
+    for q in p["programs"].values():
+        assert q["peak"] == q["argument"] + q["output"] - q["alias"] + q["temp"]
+        assert q["need"] == p["state"]["total"] + q["peak"] - q["state_arguments"] and q["flops"] > 0
+    assert p["peak"] == max(q["need"] for q in p["programs"].values())
+    # KV cache: 2 (keys, values) x layers x rows per device x kv heads x head dim x slots x 4 bytes
+    # (float32 activations); the tiny preset: 2 layers, 2 kv heads of 16, rows over the 2 devices.
+    r = p["programs"]["rollout"]
+    assert p["kv_cache"] == 2 * 2 * (r["rows"] // 2) * 2 * 16 * (r["prompt"] + r["new_tokens"]) * 4
+    assert r["argument"] >= p["kv_cache"]  # the cache is an argument of the decode loop
+    params = out["model"]["params"]
+    assert p["state"]["params"] == params * 4  # float32, replicated over the data axis
+    assert p["state"]["opt_state"] >= 2 * p["state"]["params"]  # AdamW's two moments
+    assert [(v["hardware"], v["fits"]) for v in out["verdicts"]] == [("t4-16gb", True), ("l4-24gb", True)]
+
+
+SWEEP = textwrap.dedent("""
+    import json, sys
+    from experiments import plan
+    plan.force_cpu_devices(8)
+    pairs = [(env, preset) for env in json.loads(sys.argv[1]) for preset in ("small", "paper")]
+    plans = plan.plan_presets(pairs, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(plan.summary_table(plans), file=sys.stderr)
+    print("RESULT " + json.dumps(plans))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MAGE_PLAN_PRESETS") != "1",
+                    reason="tens of minutes of compiles; set MAGE_PLAN_PRESETS=1")
+def test_every_pretrained_preset_fits_its_named_hardware():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", SWEEP, json.dumps(sorted(ENVIRONMENTS))], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=4 * 3600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plans = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert len(plans) == 2 * len(ENVIRONMENTS)
+    for p in plans:
+        named = plan.named_hardware(p["env"], p["preset"])
+        assert [v["hardware"] for v in p["verdicts"]] == list(named)
+        for v in p["verdicts"]:
+            assert v["fits"], (p["env"], p["preset"], v)
