@@ -25,8 +25,14 @@ import re
 import tempfile
 from typing import Any
 
-from experiments.benchmarks.common import QWEN3_SHAPES, build_hf_checkpoint, load_average, machine, pinned_threads
-from experiments.benchmarks.common import write_report
+from experiments.benchmarks.common import (
+    QWEN3_SHAPES,
+    build_hf_checkpoint,
+    load_average,
+    machine,
+    pinned_threads,
+    write_report,
+)
 from experiments.benchmarks.train_step import build_ours, build_torch, make_batch
 
 _TRACE_FLAG = "--xla_cpu_enable_xprof_traceme=true"
@@ -89,7 +95,8 @@ def profile_torch(run, steps: int) -> list[dict[str, Any]]:
             run()
     rows = []
     for item in prof.key_averages():
-        rows.append({"op": item.key, "seconds": item.self_cpu_time_total / 1e6 / steps, "calls": item.count // steps})
+        rows.append({"op": item.key, "seconds": item.self_cpu_time_total / 1e6 / steps,
+                     "calls": item.count // steps})
     return rows
 
 
@@ -136,8 +143,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_before = load_average()
     with tempfile.TemporaryDirectory() as folder:
         dump = os.path.join(folder, "hlo")
-        os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} {_TRACE_FLAG} --xla_dump_to={dump} "
-                                   "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*grads_fn.*|.*apply_fn.*")
+        dump_flags = (f"--xla_dump_to={dump} --xla_dump_hlo_as_text "
+                      "--xla_dump_hlo_module_re=.*grads_fn.*|.*apply_fn.*")
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TRACE_FLAG} {dump_flags}".strip()
         report = _profile(args, shape, folder, dump, load_before)
     return write_report(report, args.out)
 

@@ -64,7 +64,8 @@ def test_matmul_products_are_the_steps_flops():
     linear = sum(p.count * p.flops for p in products if not p.name.startswith("attention"))
     assert linear == 6 * matrices * tokens + 2 * tokens * h * v
     attention = sum(p.count * p.flops for p in products if p.name.startswith("attention"))
-    assert attention == 6 * shape["num_hidden_layers"] * 2 * rows * shape["num_attention_heads"] * length**2 * 64
+    heads, dim = shape["num_attention_heads"], shape["head_dim"]
+    assert attention == 6 * shape["num_hidden_layers"] * 2 * rows * heads * length**2 * dim
 
 
 def test_matmul_benchmark_times_both_sides_on_the_same_products(tmp_path):
