@@ -140,8 +140,7 @@ def time_product(
     rate = {side: [product.flops / t / 1e9 for t in ts] for side, ts in times.items()}
     alt = {}
     if alt_options:
-        alt = {"ours_alt_gflops": {"best": round(max(rate["ours_alt"]), 2),
-                                   "median": round(statistics.median(rate["ours_alt"]), 2)},
+        alt = {"ours_alt_gflops": _rates(rate["ours_alt"]),
                "alt_over_ours_median": round(statistics.median(rate["ours_alt"])
                                              / statistics.median(rate["ours"]), 3)}
     error = max(errors.values())
@@ -151,15 +150,18 @@ def time_product(
         "shapes": [list(product.a_shape), list(product.b_shape)],
         "gflop": round(product.flops / 1e9, 3),
         "per_step": product.count,
-        "ours_gflops": {"best": round(max(rate["ours"]), 2),
-                        "median": round(statistics.median(rate["ours"]), 2)},
-        "torch_gflops": {"best": round(max(rate["torch"]), 2),
-                         "median": round(statistics.median(rate["torch"]), 2)},
+        "ours_gflops": _rates(rate["ours"]),
+        "torch_gflops": _rates(rate["torch"]),
         "ratio_median": round(statistics.median(rate["ours"]) / statistics.median(rate["torch"]), 3),
         "ratio_best": round(max(rate["ours"]) / max(rate["torch"]), 3),
         "relative_difference": float(f"{error:.2e}"),
         **alt,
     }
+
+
+def _rates(rates: list[float]) -> dict[str, float]:
+    """Best and median GFLOP/s, four significant digits (a tiny product's rate never rounds to 0)."""
+    return {"best": float(f"{max(rates):.4g}"), "median": float(f"{statistics.median(rates):.4g}")}
 
 
 def _run_jax(program: Any, a: Any, b: Any) -> None:

@@ -69,6 +69,21 @@ def _category(line: str) -> str:
     return "other elementwise"
 
 
+def _part(module: str, line: str, vocab: int, length: int) -> str:
+    """Which part of the step an instruction belongs to, from its program and output shape: the output
+    head (a vocabulary-sized dimension), attention (a [.., queries, keys] score-shaped array), the
+    optimizer program, or the rest of the layers (projections, MLP, norms, rotary, residuals)."""
+    if "apply_fn" in module:
+        return "optimizer program (clip + AdamW + skip)"
+    shape = re.search(r"=\s*\w+\[([\d,]*)\]", line)
+    dims = [int(d) for d in shape.group(1).split(",") if d] if shape else []
+    if vocab in dims:
+        return "output head (log-probs, entropy, their gradient)"
+    if len(dims) >= 4 and dims[-1] == length and dims[-2] >= length:
+        return "attention scores / probabilities"
+    return "layers: projections, MLP, norms, rotary, attention outputs"
+
+
 def profile_ours(run, steps: int, folder: str) -> list[dict[str, Any]]:
     import jax
 
@@ -122,7 +137,7 @@ def _group(rows: list[dict[str, Any]], key) -> dict[str, float]:
     groups: dict[str, float] = collections.Counter()
     for row in rows:
         groups[key(row)] += row["seconds"]
-    return {k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}
+    return {k: float(f"{v:.4g}") for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -170,6 +185,7 @@ def _profile(args: argparse.Namespace, shape: dict[str, Any], folder: str, dump:
     for row in our_rows:
         row["hlo"] = lines.get(row["op"], "")[:400]
         row["category"] = _category(row["hlo"])
+        row["part"] = _part(row["module"], row["hlo"], shape["vocab_size"], args.length)
     our_rows.sort(key=lambda r: -r["seconds"])
     torch_rows.sort(key=lambda r: -r["seconds"])
     report = {
@@ -183,6 +199,7 @@ def _profile(args: argparse.Namespace, shape: dict[str, Any], folder: str, dump:
             "seconds_per_step": round(sum(r["seconds"] for r in our_rows), 3),
             "by_program": _group(our_rows, lambda r: r["module"]),
             "by_category": _group(our_rows, lambda r: r["category"]),
+            "by_part": _group(our_rows, lambda r: r["part"]),
             "top": [{**r, "seconds": round(r["seconds"], 4)} for r in our_rows[:args.top]],
         },
         "torch": {
