@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mage_jax.algorithms import losses
 from mage_jax.constraints import constraint_masks
 from mage_jax.models import sharding as shd
+from mage_jax.training.xla_options import train_step_compiler_options
 
 TOKEN_FIELDS = ("tokens", "positions", "token_mask", "targets", "response_mask")
 
@@ -261,7 +262,8 @@ class TrainStep:
                 logp, _ = self._token_logprobs(params, batch)
                 return jnp.where(batch.response_mask, logp, 0.0)
 
-            self._logprobs = jax.jit(fn, out_shardings=self._batch_sharding)
+            self._logprobs = jax.jit(fn, out_shardings=self._batch_sharding,
+                                     compiler_options=train_step_compiler_options())
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
             return self._logprobs(params, batch)
 
@@ -278,11 +280,13 @@ class TrainStep:
         """
         if self._update is None:
             self._grads = jax.jit(self._grads_fn, out_shardings=(self.state_shardings(state).params,
-                                                                  self._replicated))
+                                                                  self._replicated),
+                                  compiler_options=train_step_compiler_options())
             self._update = jax.jit(
                 self._apply_fn,
                 donate_argnums=(0,),
                 out_shardings=(self.state_shardings(state), self._replicated),
+                compiler_options=train_step_compiler_options(),
             )
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
             grads, metrics = self._grads(state.params, batch)
