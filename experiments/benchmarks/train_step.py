@@ -95,21 +95,27 @@ def our_batch_arrays(batch: Batch) -> Any:
     )
 
 
-def build_ours(folder: str, batch: Batch) -> tuple[Callable[[], Any], np.ndarray, dict[str, Any]]:
-    """Our step as a closure (each call one update, waited for), the old log-probs it uses, and facts."""
+def build_ours(
+    folder: str, batch: Batch, attention: str = "auto"
+) -> tuple[Callable[[], Any], np.ndarray, dict[str, Any]]:
+    """Our step as a closure (each call one update, waited for), the old log-probs it uses, and facts.
+
+    ``attention`` is the model's attention implementation (``auto``: what the trainer runs)."""
     import jax
     import jax.numpy as jnp
 
     from mage_jax.models import sharding as shd
+    from mage_jax.models.config import ModelConfig
     from mage_jax.models.hf_loading import load_hf_params
     from mage_jax.training.train_step import StepConfig, TrainStep, learning_rate_schedule, make_optimizer
 
-    _, graphdef, params = load_hf_params(folder)
+    config = dataclasses.replace(ModelConfig.from_hf_dir(folder), attention=attention)
+    model_config, graphdef, params = load_hf_params(folder, config)
     schedule = learning_rate_schedule(OPTIM["lr"])
     optimizer = make_optimizer(schedule, b1=OPTIM["b1"], b2=OPTIM["b2"], weight_decay=OPTIM["weight_decay"],
                                grad_clip=OPTIM["grad_clip"])
-    config = StepConfig()
-    step = TrainStep(graphdef, optimizer, schedule, config, shd.make_mesh(shd.MeshConfig()))
+    step_config = StepConfig()
+    step = TrainStep(graphdef, optimizer, schedule, step_config, shd.make_mesh(shd.MeshConfig()))
     state = step.init_state(params)
     arrays = step.place_batch(our_batch_arrays(batch))
     old = step.compute_logprobs(state.params, arrays)
@@ -125,9 +131,18 @@ def build_ours(folder: str, batch: Batch) -> tuple[Callable[[], Any], np.ndarray
         return metrics
 
     facts = {"jax": jax.__version__, "backend": jax.default_backend(),
-             "step_config": dataclasses.asdict(config), "devices": len(jax.devices()),
+             "step_config": dataclasses.asdict(step_config), "devices": len(jax.devices()),
+             "attention": attention, "attention_runs": _attention_runs(model_config, batch.length),
              "param_dtype": str(jnp.result_type(jax.tree.leaves(params)[0]))}
     return run, np.asarray(old), facts
+
+
+def _attention_runs(config: Any, length: int) -> str:
+    """The attention implementation our model runs at this length (``auto`` resolved)."""
+    from mage_jax.models.attention import choose_implementation
+
+    return choose_implementation(config.attention, length, config.jnp_dtype,
+                                 dense_max_len=config.attention_dense_max_len)
 
 
 def build_torch(

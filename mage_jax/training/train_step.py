@@ -42,6 +42,7 @@ from mage_jax.algorithms import losses
 from mage_jax.constraints import constraint_masks
 from mage_jax.models import lora
 from mage_jax.models import sharding as shd
+from mage_jax.training.xla_options import train_step_compiler_options
 
 TOKEN_FIELDS = ("tokens", "positions", "token_mask", "targets", "response_mask")
 
@@ -316,7 +317,8 @@ class TrainStep:
                                         split_micro_batches(batch, micro))
                 return merge_micro_batches(parts)
 
-            self._logprobs = jax.jit(fn, static_argnums=2, out_shardings=self._batch_sharding)
+            self._logprobs = jax.jit(fn, static_argnums=2, out_shardings=self._batch_sharding,
+                                     compiler_options=train_step_compiler_options())
         return self._logprobs
 
     def update_programs(self, shardings: TrainState, *, donate: bool = True) -> tuple[Any, Any]:
@@ -325,10 +327,13 @@ class TrainStep:
         and update-size skips (the state donated unless ``donate=False``)."""
         if self._update is None:
             grad_shardings = self.trainable(shardings.params)[0]
-            self._grads = jax.jit(self._grads_fn, out_shardings=(grad_shardings, self._replicated))
+            options = train_step_compiler_options()
+            self._grads = jax.jit(self._grads_fn, out_shardings=(grad_shardings, self._replicated),
+                                  compiler_options=options)
             out_shardings = (shardings, self._replicated)
-            self._update = jax.jit(self._apply_fn, donate_argnums=(0,), out_shardings=out_shardings)
-            self._update_kept = jax.jit(self._apply_fn, out_shardings=out_shardings)
+            self._update = jax.jit(self._apply_fn, donate_argnums=(0,), out_shardings=out_shardings,
+                                   compiler_options=options)
+            self._update_kept = jax.jit(self._apply_fn, out_shardings=out_shardings, compiler_options=options)
         return self._grads, (self._update if donate else self._update_kept)
 
     def compute_logprobs(self, params: Any, batch: TrainBatch, *, adapters: bool = True) -> jax.Array:

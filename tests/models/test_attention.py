@@ -66,6 +66,28 @@ def test_blockwise_matches_dense_outputs_and_gradients(causal, window):
     _assert_matches_dense(blockwise, _inputs(), causal=causal, sliding_window=window)
 
 
+@pytest.mark.parametrize("causal, window", [(True, None), (True, 10), (False, None)],
+                         ids=["causal", "causal-window", "bidirectional"])
+def test_prefix_matches_dense_outputs_and_gradients(causal, window):
+    def prefix(q, k, v, seg):  # 37 tokens in query blocks of 8: a short last block, skipped key blocks
+        return attn.prefix_attention(q, k, v, seg, causal=causal, sliding_window=window, block_size=8)
+
+    _assert_matches_dense(prefix, _inputs(), causal=causal, sliding_window=window)
+
+
+def test_prefix_skips_the_keys_a_causal_block_cannot_see():
+    """Its forward and backward programs hold fewer flops than dense's: the skipped blocks are gone."""
+    q, k, v, seg = _inputs(b=1, t=64)
+
+    def flops(fn):
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v, seg))  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().cost_analysis()["flops"]
+
+    dense = flops(attn.dense_attention)
+    prefix = flops(lambda q, k, v, seg: attn.prefix_attention(q, k, v, seg, block_size=16))
+    assert prefix < 0.8 * dense  # 4 query blocks: 10 of 16 block pairs, plus the same projections
+
+
 def test_cudnn_path_moves_each_row_to_lengths_and_back(monkeypatch):
     """The cuDNN plumbing (per-row span -> lengths, rows shifted to the front and back) on CPU, with
     the library call's own XLA implementation standing in for the GPU kernel."""
