@@ -66,6 +66,7 @@ class Slots:
     key_path: jax.Array  # int32[S, KEY_PATH_LEN]
     tokens: jax.Array  # int32[S, N]
     logprobs: jax.Array  # float32[S, N]
+    prompt_hidden: jax.Array  # [S, H]: the final hidden state of the slot's last prompt token
 
     @property
     def num_slots(self) -> int:
@@ -74,6 +75,18 @@ class Slots:
     @property
     def num_states(self) -> int:
         return self.transitions.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Donor:
+    """A slot whose cache positions ``bucket - length .. bucket - 1`` hold a prompt's keys and values
+    (and whose ``prompt_hidden`` its last hidden state): a later request with the same prompt copies them
+    instead of prefilling. Valid until the slot is given to another request (decode writes start at
+    ``bucket``)."""
+
+    slot: int
+    bucket: int
+    length: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +188,7 @@ class SlotSampler:
             key_path=jnp.zeros((s, KEY_PATH_LEN), jnp.int32),
             tokens=jnp.full((s, n), sampler.pad_id, jnp.int32),
             logprobs=jnp.zeros((s, n), jnp.float32),
+            prompt_hidden=jnp.zeros((s, sampler.config.hidden_size), sampler.config.jnp_dtype),
         )
 
     def empty(self, num_states: int = 1) -> Slots:
@@ -197,19 +211,27 @@ class SlotSampler:
     # ----------------------------------------------------------------------------------- insert
     def insert(self, state: Any, slots: Slots, prompts: Sequence[Sequence[int]], source: Sequence[int],
                targets: Sequence[int], limits: Sequence[int], transitions: np.ndarray,
-               key_paths: np.ndarray, params: SamplingParams, key: jax.Array) -> Slots:
+               key_paths: np.ndarray, params: SamplingParams, key: jax.Array,
+               donors: Sequence[Donor | None] | None = None) -> Slots:
         """Prefill the distinct ``prompts`` once and start request t in slot ``targets[t]`` from prompt
-        ``source[t]`` (``limits[t]`` new tokens, automaton ``transitions[t]``, key path ``key_paths[t]``)."""
+        ``source[t]`` (``limits[t]`` new tokens, automaton ``transitions[t]``, key path ``key_paths[t]``).
+
+        ``donors[t]``, when given, is a slot that already holds request t's prompt (same tokens): its
+        keys and values are copied instead (``source[t]`` is then ignored, and ``prompts`` may be empty)."""
         sampler = self.sampler
+        donors = list(donors) if donors is not None else [None] * len(targets)
         u, t = len(prompts), len(targets)
-        if not 0 < u <= t <= self.num_slots:
-            raise ValueError(f"an insert needs 1 <= prompts ({u}) <= targets ({t}) <= slots")
-        longest = max(len(p) for p in prompts)
-        if longest > sampler.prompt_buckets[-1] or min(len(p) for p in prompts) == 0:
+        if not (0 <= u <= t <= self.num_slots and t > 0 and len(donors) == t):
+            raise ValueError(f"an insert needs 0 <= prompts ({u}) <= targets ({t}) <= slots, one donor each")
+        if any(d is None for d in donors) and u == 0:
+            raise ValueError("a target without a donor needs a prompt to prefill")
+        lengths = [len(p) for p in prompts]
+        if u and (max(lengths) > sampler.prompt_buckets[-1] or min(lengths) == 0):
             raise ValueError(f"prompts must have 1..{sampler.prompt_buckets[-1]} tokens")
-        p_bucket = _bucket(longest, sampler.prompt_buckets)
+        p_bucket = self.prompt_bucket(prompts, donors)
         t_bucket = _bucket(t, self.row_buckets)
         u_bucket = min(_bucket(u, self.row_buckets), t_bucket)
+        u_bucket = max(u_bucket, 1)
         tokens = np.full((u_bucket, p_bucket), sampler.pad_id, np.int32)
         valid = np.zeros((u_bucket, p_bucket), bool)
         for row, prompt in enumerate(prompts):
@@ -220,7 +242,15 @@ class SlotSampler:
             valid[row, p_bucket - len(ids):] = True
         valid[u:, -1] = True  # dummy prompts: one real token, so their (discarded) prefill stays finite
         src = np.zeros(t_bucket, np.int32)
-        src[:t] = source
+        donor = np.full(t_bucket, -1, np.int32)  # -1: from the prefill
+        base = np.full(t_bucket, p_bucket, np.int32)  # the cache position of the first decode step
+        lens = np.ones(t_bucket, np.int32)
+        for i, d in enumerate(donors):
+            if d is None:
+                src[i] = source[i]
+                lens[i] = len(prompts[source[i]])
+            else:
+                donor[i], base[i], lens[i] = d.slot, d.bucket, d.length
         dst = np.full(t_bucket, self.num_slots, np.int32)  # out of range: dropped by the scatters
         dst[:t] = targets
         lim = np.zeros(t_bucket, np.int32)
@@ -235,23 +265,31 @@ class SlotSampler:
             fn = self._inserts[static] = self._build_insert(static)
         temperature, top_p = _runtime(params)
         with self._mesh_context():
-            return fn(state, slots, tokens, valid, src, dst, lim, table, paths, key, temperature, top_p)
+            return fn(state, slots, tokens, valid, src, donor, base, lens, dst, lim, table, paths, key,
+                      temperature, top_p)
+
+    def prompt_bucket(self, prompts: Sequence[Sequence[int]], donors: Sequence[Donor | None]) -> int:
+        """The prompt bucket of an insert: it holds the longest prompt and every donor's bucket."""
+        longest = max([len(p) for p in prompts] + [d.bucket for d in donors if d is not None])
+        return _bucket(longest, self.sampler.prompt_buckets)
 
     def _build_insert(self, static: _Static) -> Callable:
         sampler = self.sampler
         graphdef, config, pad_id = sampler.graphdef, sampler.config, sampler.pad_id
         eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
 
-        def run(state, slots: Slots, tokens, valid, src, dst, limits, table, paths, key, temperature,
-                top_p) -> Slots:
+        def run(state, slots: Slots, tokens, valid, src, donor, base, prompt_lens, dst, limits, table, paths,
+                key, temperature, top_p) -> Slots:
             self.compile_count += 1  # runs once per trace
             model = nnx.merge(graphdef, state)
             rows, p = tokens.shape
             temp = init_cache(config, rows, p, sampler.cache_dtype)
             positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0).astype(jnp.int32)
             hidden, temp = model(tokens, positions, valid, temp, jnp.int32(0))
-            logits = model.logits(hidden[:, -1:, :])[:, 0][src]  # [T, V]
-            prompt_lens = valid.sum(axis=-1).astype(jnp.int32)[src]
+            copied = donor >= 0
+            from_slot = jnp.maximum(donor, 0)
+            last_hidden = jnp.where(copied[:, None], slots.prompt_hidden[from_slot], hidden[:, -1, :][src])
+            logits = model.logits(last_hidden[:, None, :])[:, 0]  # [T, V]
             zeros = jnp.zeros(src.shape, jnp.int32)
             allowed, nxt = allowed_tokens(table, zeros)
             choice_keys = row_keys(key, paths, zeros)
@@ -269,16 +307,24 @@ class SlotSampler:
             def put(array, value):
                 return array.at[dst].set(value, mode="drop")
 
+            def keys_of(c, x):  # [T, Hkv, D, P]: the donor slot's first P positions, or the prefill's
+                return jnp.where(copied[:, None, None, None], c[from_slot, :, :, :p], x[src])
+
+            def values_of(c, x):
+                return jnp.where(copied[:, None, None, None], c[from_slot, :, :p, :], x[src])
+
             cache = KVCache(
-                k=tuple(c.at[dst, :, :, :p].set(x[src], mode="drop") for c, x in zip(slots.cache.k, temp.k)),
-                v=tuple(c.at[dst, :, :p, :].set(x[src], mode="drop") for c, x in zip(slots.cache.v, temp.v)),
+                k=tuple(c.at[dst, :, :, :p].set(keys_of(c, x), mode="drop")
+                        for c, x in zip(slots.cache.k, temp.k)),
+                v=tuple(c.at[dst, :, :p, :].set(values_of(c, x), mode="drop")
+                        for c, x in zip(slots.cache.v, temp.v)),
             )
             return Slots(
                 cache=cache,
                 last=put(slots.last, token),
-                write=put(slots.write, jnp.full(src.shape, p, jnp.int32)),
+                write=put(slots.write, base),
                 position=put(slots.position, prompt_lens),
-                kv_start=put(slots.kv_start, p - prompt_lens),
+                kv_start=put(slots.kv_start, base - prompt_lens),
                 length=put(slots.length, length),
                 limit=put(slots.limit, limits),
                 done=put(slots.done, done0 | hit | (length >= limits)),
@@ -288,6 +334,7 @@ class SlotSampler:
                 key_path=put(slots.key_path, paths),
                 tokens=put(slots.tokens, row_tokens),
                 logprobs=put(slots.logprobs, row_logps),
+                prompt_hidden=put(slots.prompt_hidden, last_hidden),
             )
 
         return jax.jit(run, donate_argnums=(1,))

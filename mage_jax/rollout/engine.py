@@ -22,8 +22,9 @@ the tokens equal the lockstep sampler's.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import heapq
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ import numpy as np
 
 from mage_jax.constraints import TokenAutomaton, stack_automata
 from mage_jax.sampling import Sampler, SamplingParams
-from mage_jax.slot_sampler import KEY_PATH_LEN, Slots, SlotSampler
+from mage_jax.slot_sampler import KEY_PATH_LEN, Donor, Slots, SlotSampler
 
 DEFAULT_CHUNK = 8
 
@@ -40,13 +41,17 @@ DEFAULT_CHUNK = 8
 @dataclasses.dataclass(frozen=True)
 class EngineRequest:
     """One response to generate. ``tag``: the caller's handle; ``key_path``: KEY_PATH_LEN integers in
-    [0, 2**31) that name the request (the runner: meta-episode, episode, phase and turn)."""
+    [0, 2**31) that name the request (the runner: meta-episode, episode, phase and turn); ``priority``:
+    waiting requests start smallest first, then in arrival order (the runner passes its lockstep order
+    (episode, phase, turn), so meta-episodes that fell behind catch up and the last one to finish is not
+    left decoding alone)."""
 
     tag: Any
     prompt_ids: tuple[int, ...]
     limit: int
     automaton: TokenAutomaton | None
     key_path: tuple[int, ...]
+    priority: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +120,12 @@ class EngineSession:
         self.params = params
         self.key = key
         self.slots: Slots = self.kernels.empty()
-        self.queue: collections.deque[EngineRequest] = collections.deque()
+        self.queue: list[tuple[tuple[int, ...], int, EngineRequest]] = []  # a heap
+        self._arrivals = itertools.count()
         self.running: dict[int, EngineRequest] = {}
         self.free: list[int] = list(range(self.kernels.num_slots))
+        self.prefixes: dict[tuple[int, ...], Donor] = {}  # prompts held by some slot's cache
+        self.slot_prompt: dict[int, tuple[int, ...]] = {}
         self.stats = EngineStats()
 
     @property
@@ -128,8 +136,9 @@ class EngineSession:
         if not request.prompt_ids:
             raise ValueError("an engine request needs at least one prompt token")
         if len(request.key_path) != KEY_PATH_LEN or not all(0 <= k < 2**31 for k in request.key_path):
-            raise ValueError(f"key_path must be {KEY_PATH_LEN} integers in [0, 2**31), got {request.key_path}")
-        self.queue.append(request)
+            raise ValueError(f"key_path must be {KEY_PATH_LEN} integers in [0, 2**31), "
+                             f"got {request.key_path}")
+        heapq.heappush(self.queue, (request.priority, next(self._arrivals), request))
 
     def step(self) -> list[EngineResult]:
         """Fill the free slots, run one decode chunk when some slot is still decoding, and return the
@@ -147,17 +156,15 @@ class EngineSession:
         ended = sorted(s for s in self.running if done[s])
         if not ended:
             return []
-        index = np.asarray(ended, np.int32)
-        lengths = np.asarray(self.slots.length)[index]
-        tokens = np.asarray(self.slots.tokens[index])
-        logprobs = np.asarray(self.slots.logprobs[index])
-        finished = np.asarray(self.slots.finished)[index]
+        # Whole arrays come back (one shape, no gather program per count of finished slots).
+        lengths, finished = np.asarray(self.slots.length), np.asarray(self.slots.finished)
+        tokens, logprobs = np.asarray(self.slots.tokens), np.asarray(self.slots.logprobs)
         out = []
-        for j, s in enumerate(ended):
-            n = int(lengths[j])
+        for s in ended:
+            n = int(lengths[s])
             self.stats.decode_tokens += max(n - 1, 0)
-            out.append(EngineResult(self.running.pop(s).tag, tokens[j, :n].copy(), logprobs[j, :n].copy(),
-                                    bool(finished[j])))
+            out.append(EngineResult(self.running.pop(s).tag, tokens[s, :n].copy(), logprobs[s, :n].copy(),
+                                    bool(finished[s])))
             self.free.append(s)
         self.free.sort()
         return out
@@ -166,11 +173,15 @@ class EngineSession:
         """Start queued requests in free slots; identical prompts are prefilled once."""
         if not self.queue or not self.free:
             return
-        take = [self.queue.popleft() for _ in range(min(len(self.free), len(self.queue)))]
+        take = [heapq.heappop(self.queue)[2] for _ in range(min(len(self.free), len(self.queue)))]
         targets = [self.free.pop(0) for _ in take]
+        # A prompt some slot already holds is copied from it; the others are prefilled, each once.
         unique: dict[tuple[int, ...], int] = {}
-        source = [unique.setdefault(r.prompt_ids, len(unique)) for r in take]
+        donors = [self.prefixes.get(r.prompt_ids) for r in take]
+        source = [0 if d is not None else unique.setdefault(r.prompt_ids, len(unique))
+                  for r, d in zip(take, donors)]
         prompts = list(unique)
+        bucket = self.kernels.prompt_bucket(prompts, donors)
         vocab = self.engine.sampler.vocab_size
         states = max((r.automaton.num_states for r in take if r.automaton is not None), default=1)
         if states > self.slots.num_states:
@@ -179,10 +190,17 @@ class EngineSession:
         paths = np.asarray([r.key_path for r in take], np.int32)
         self.slots = self.kernels.insert(
             self.state, self.slots, prompts, source, targets, [r.limit for r in take], table, paths,
-            self.params, self.key,
+            self.params, self.key, donors,
         )
-        for slot, request in zip(targets, take):
+        for slot in targets:  # their old prompts are overwritten now
+            old = self.slot_prompt.pop(slot, None)
+            if old is not None and self.prefixes[old].slot == slot:
+                del self.prefixes[old]
+        for slot, request, donor in zip(targets, take, donors):
             self.running[slot] = request
+            self.slot_prompt[slot] = request.prompt_ids
+            base = donor.bucket if donor is not None else bucket
+            self.prefixes[request.prompt_ids] = Donor(slot, base, len(request.prompt_ids))
         self.stats.requests += len(take)
         self.stats.inserts += 1
         self.stats.prefill_rows += len(prompts)

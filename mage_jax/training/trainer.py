@@ -55,7 +55,7 @@ from mage_jax.evaluation.report import log_evaluation
 from mage_jax.evaluation.samples import render_markdown, sample_rows
 from mage_jax.logging import MetricsLogger
 from mage_jax.progress import NoBar, progress_bar
-from mage_jax.rollout.policy import Generation, GenerationRequest, Policy
+from mage_jax.rollout.policy import Generation, GenerationRequest, Policy, PolicyStream
 from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices, pack_rows, pick_bucket
 from mage_jax.training.assemble import (
     RunParts,
@@ -98,6 +98,31 @@ class _StoppablePolicy:
 
     def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
         return self.policy.prompt_lengths(prompts)
+
+    def open_stream(self) -> _StoppableStream | None:
+        """The policy's continuous-batching stream, stopping at its next collect once a stop was requested."""
+        opener = getattr(self.policy, "open_stream", None)
+        stream = opener() if opener is not None else None
+        return None if stream is None else _StoppableStream(stream, self.stop)
+
+
+@dataclasses.dataclass
+class _StoppableStream:
+    stream: PolicyStream
+    stop: threading.Event
+
+    @property
+    def busy(self) -> bool:
+        return self.stream.busy
+
+    def submit(self, tag: Any, request: GenerationRequest, key_path: tuple[int, ...],
+               priority: tuple[int, ...] = ()) -> None:
+        self.stream.submit(tag, request, key_path, priority)
+
+    def collect(self) -> list[tuple[Any, Generation]]:
+        if self.stop.is_set():
+            raise _Interrupted
+        return self.stream.collect()
 
 
 @dataclasses.dataclass
