@@ -45,6 +45,7 @@ from mage_jax.models.transformer import KVCache, init_cache
 from mage_jax.sampling import Sampler, SamplingParams, choose_tokens
 
 KEY_PATH_LEN = 3
+_NOWHERE = 2**30  # a cache position past any cache: the write is dropped
 
 
 @jax.tree_util.register_dataclass
@@ -154,7 +155,7 @@ class SlotSampler:
         self.row_buckets = tuple(sorted({*(unique_buckets or pow2), self.num_slots}))
         self.compile_count = 0
         self._inserts: dict[_Static, Callable] = {}
-        self._decodes: dict[_Static, Callable] = {}
+        self._decodes: dict[tuple[_Static, int], Callable] = {}
         self._empty: dict[int, Callable] = {}
 
     # ------------------------------------------------------------------------------------ state
@@ -340,18 +341,33 @@ class SlotSampler:
         return jax.jit(run, donate_argnums=(1,))
 
     # ----------------------------------------------------------------------------------- decode
-    def decode(self, state: Any, slots: Slots, params: SamplingParams, key: jax.Array
-               ) -> tuple[Slots, jax.Array]:
-        """Up to ``chunk`` steps of every slot (fewer when all are done); returns (slots, steps run)."""
+    def window(self, furthest_write: int) -> int:
+        """The cache prefix a decode chunk attends over: the smallest window (a power of two from 64, or
+        the whole cache) that holds ``furthest_write + chunk`` positions. Decode attention costs in
+        proportion to it, and most rows are far shorter than the largest prompt bucket plus the longest
+        response the cache is sized for."""
+        need = furthest_write + self.chunk
+        w = 64
+        while w < need:
+            w *= 2
+        return min(w, self.max_len)
+
+    def decode(self, state: Any, slots: Slots, params: SamplingParams, key: jax.Array,
+               window: int | None = None) -> tuple[Slots, jax.Array]:
+        """Up to ``chunk`` steps of every slot (fewer when all are done); returns (slots, steps run).
+
+        ``window``: attend over the first ``window`` cache positions only (``window(furthest write)``);
+        every active slot's writes of this chunk must fall inside it. None: the whole cache."""
         static = _static(params, self.sampler.vocab_size)
-        fn = self._decodes.get(static)
+        window = self.max_len if window is None else int(window)
+        fn = self._decodes.get((static, window))
         if fn is None:
-            fn = self._decodes[static] = self._build_decode(static)
+            fn = self._decodes[static, window] = self._build_decode(static, window)
         temperature, top_p = _runtime(params)
         with self._mesh_context():
             return fn(state, slots, key, temperature, top_p)
 
-    def _build_decode(self, static: _Static) -> Callable:
+    def _build_decode(self, static: _Static, window: int) -> Callable:
         sampler = self.sampler
         graphdef, pad_id, chunk = sampler.graphdef, sampler.pad_id, self.chunk
         eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
@@ -368,8 +384,11 @@ class SlotSampler:
 
             def body(carry):
                 step, s = carry
+                # Finished and free slots write past the cache (dropped): a slot that holds a prompt
+                # other requests copy stays intact, and any window is safe for them.
+                write = jnp.where(s.done, _NOWHERE, s.write)
                 hidden, cache = model(s.last[:, None], s.position[:, None], cache=s.cache,
-                                      cache_index=s.write, kv_start=s.kv_start)
+                                      cache_index=write, kv_start=s.kv_start)
                 logits = model.logits(hidden)[:, 0]
                 allowed, nxt = allowed_tokens(s.transitions, s.auto)
                 token, logp = _choose_rows(logits, allowed, row_keys(key, s.key_path, s.length),
@@ -391,7 +410,17 @@ class SlotSampler:
                 )
                 return step + 1, s
 
+            full = slots.cache
+            if window < full.max_len:  # a copy of the window in, written back after the chunk
+                slots = dataclasses.replace(slots, cache=KVCache(
+                    k=tuple(c[:, :, :, :window] for c in full.k),
+                    v=tuple(c[:, :, :window, :] for c in full.v)))
             steps, slots = jax.lax.while_loop(cond, body, (jnp.int32(0), slots))
+            if window < full.max_len:
+                zero = (0, 0, 0, 0)
+                slots = dataclasses.replace(slots, cache=KVCache(
+                    k=tuple(jax.lax.dynamic_update_slice(f, c, zero) for f, c in zip(full.k, slots.cache.k)),
+                    v=tuple(jax.lax.dynamic_update_slice(f, c, zero) for f, c in zip(full.v, slots.cache.v))))
             return slots, steps
 
         return jax.jit(run, donate_argnums=(1,))

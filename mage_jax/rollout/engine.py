@@ -147,8 +147,11 @@ class EngineSession:
         if not self.running:
             return []
         done = np.asarray(self.slots.done)
-        if not all(done[s] for s in self.running):
-            self.slots, steps = self.kernels.decode(self.state, self.slots, self.params, self.key)
+        decoding = [s for s in self.running if not done[s]]
+        if decoding:
+            furthest = int(np.asarray(self.slots.write)[decoding].max())
+            self.slots, steps = self.kernels.decode(self.state, self.slots, self.params, self.key,
+                                                    self.kernels.window(furthest))
             steps = int(steps)
             self.stats.decode_steps += steps
             self.stats.decode_row_steps += steps * self.kernels.num_slots
@@ -194,7 +197,8 @@ class EngineSession:
         )
         for slot in targets:  # their old prompts are overwritten now
             old = self.slot_prompt.pop(slot, None)
-            if old is not None and self.prefixes[old].slot == slot:
+            held = self.prefixes.get(old) if old is not None else None
+            if held is not None and held.slot == slot:
                 del self.prefixes[old]
         for slot, request, donor in zip(targets, take, donors):
             self.running[slot] = request

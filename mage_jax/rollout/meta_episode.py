@@ -1,10 +1,22 @@
-"""The lockstep meta-episode runner (spec section 2).
+"""The meta-episode runner (spec section 2): lockstep or continuous-batching schedules.
 
-``MetaEpisodeRunner.run`` plays one meta-episode per task, all of them in lockstep: for episode
-n = 0..N-1, every turn renders the play prompts of all environments still playing and makes *one*
-batched ``policy.generate`` call; after the play phase, every meta-episode that did not win and has
-an episode left writes one reflection (one batched call for all of them). A won meta-episode stops:
-it neither reflects nor plays again. Every LLM call becomes a ``Row``.
+``MetaEpisodeRunner.run`` plays one meta-episode per task. Each meta-episode is a coroutine
+(``_meta_episode``) that yields the LLM calls it needs, one at a time, and receives their responses:
+for episode n = 0..N-1 it plays turns until its environment is done, then (if it did not win and an
+episode is left) writes one reflection. A won meta-episode stops: it neither reflects nor plays again.
+Every LLM call becomes a ``Row``. Its prompts depend on its own history only, so how the calls of
+different meta-episodes are scheduled changes nothing they see:
+
+* lockstep (a policy without a stream): every turn renders the play prompts of all environments still
+  playing and makes *one* batched ``policy.generate`` call; after the play phase, one batched call for
+  all reflections (the spec's schedule);
+* continuous batching (``policy.open_stream()``, ``LLMPolicy`` with a ``rollout.engine.RolloutEngine``):
+  a meta-episode's next prompt is submitted as soon as its previous response is back and its environment
+  stepped, so no meta-episode waits for the slowest response of a turn. Rows come back in completion
+  order and are put back in the lockstep order (episode, play turns then reflection, turn, task), so
+  the training batch, the outcomes and the statistics are the lockstep path's (greedy decoding: the
+  same tokens; ``tests/rollout/test_engine.py``). Sampling keys derive from (meta-episode, episode,
+  phase/turn), not from the schedule.
 
 Memory: after episode n the runner keeps an ``EpisodeRecord`` (moves, reward, won, reflection) and
 the play prompts of later episodes show the records per ``memory_mode`` (rendered by

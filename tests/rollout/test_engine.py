@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from experiments.environments import ENVIRONMENTS, environment
+from mage_jax import config as C
 from mage_jax.constraints import automaton_from_completions
 from mage_jax.envs.alfworld import write_tiny_alfred_game
 from mage_jax.models.config import ModelConfig
@@ -25,7 +26,7 @@ from mage_jax.models.transformer import Transformer
 from mage_jax.rollout.engine import EngineRequest, RolloutEngine, generate_all
 from mage_jax.rollout.policy import LLMPolicy
 from mage_jax.sampling import Sampler, SamplingParams
-from mage_jax.training.assemble import build_parts
+from mage_jax.training.assemble import build_parts, make_engine
 from tests.tiny_models import SMALLEST_DECODER
 
 TIMING = {"rollout_seconds"}
@@ -236,3 +237,19 @@ def test_slots_and_their_cache_shard_over_the_mesh_batch_axes_on_8_devices():
     assert sharded["cache_devices"] == 8
     assert sharded["slot_bytes"][1] * 8 == sharded["slot_bytes"][0]
     assert one["cache_bytes"][1] == one["cache_bytes"][0]
+
+
+# ------------------------------------------------------------------------------------ the switch
+def test_engine_is_the_default_and_lockstep_is_a_switch(tiny_sampler):
+    sampler, _ = tiny_sampler
+    default = environment("kuhn_poker").config("tiny")
+    assert default.rollout.engine == "continuous" and default.rollout.engine_slots == 0
+    engine = make_engine(default, sampler, rows=100, batch_axis=8)
+    assert engine is not None and engine.num_slots == 64  # min(rows, 64), a multiple of the batch ways
+    fixed = make_engine(tiny_config("kuhn_poker", engine_slots=5), sampler, rows=100, batch_axis=4)
+    assert fixed.num_slots == 8
+    assert make_engine(tiny_config("kuhn_poker", engine="lockstep"), sampler, rows=100, batch_axis=1) is None
+    with pytest.raises(C.ConfigError, match="rollout.engine"):
+        tiny_config("kuhn_poker", engine="fast")
+    with pytest.raises(C.ConfigError, match="rollout.engine_chunk"):
+        tiny_config("kuhn_poker", engine_chunk=0)
