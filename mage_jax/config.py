@@ -53,6 +53,7 @@ ActivationDtype = Literal[tuple(d for d in DTYPES if d != "float16")]
 TokenizerKind = Literal["hf", "word_level"]
 MemoryMode = Literal[MEMORY_MODES]
 PromptStyle = Literal[STYLES]
+RolloutScheduling = Literal["continuous", "lockstep"]
 RewardDesign = Literal[REWARD_DESIGNS]
 AnchorMode = Literal[ANCHOR_MODES]
 NormMode = Literal[NORM_MODES]
@@ -172,6 +173,14 @@ class RolloutConfig:
     compiles once. Empty: 64, 96, 128, 192, ... up to the limits."""
     privileged_reflection: bool = True
     """Training reflect prompts show the environment's privileged text (Kuhn's both-cards quirk, spec 7.1)."""
+    engine: RolloutScheduling = "continuous"
+    """How the LLM calls of a rollout (training, evaluation, zero-shot baselines) are scheduled:
+    ``continuous`` (the rollout engine: decode slots, a meta-episode's next prompt starts as soon as its
+    response is back, identical prompts prefilled once) or ``lockstep`` (one batched call per turn)."""
+    engine_slots: int = 0
+    """Concurrent decode slots of the engine; 0: min(rows, 64), rounded up to the mesh's batch ways."""
+    engine_chunk: int = 8
+    """Decode steps between the engine's host checks (a finished row waits at most this many steps)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -665,6 +674,8 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     if r.max_turns is not None:
         _check(r.max_turns >= 1, f"rollout.max_turns must be >= 1 (got {r.max_turns})")
     _check(all(b >= 1 for b in r.length_buckets), "rollout.length_buckets must be positive")
+    _check(r.engine_slots >= 0, f"rollout.engine_slots must be >= 0 (got {r.engine_slots})")
+    _check(r.engine_chunk >= 1, f"rollout.engine_chunk must be >= 1 (got {r.engine_chunk})")
     # algorithm
     _one_of("algorithm.estimator", a.estimator, advantages.available_advantages())
     _check(0 <= a.gamma_step <= 1, f"algorithm.gamma_step must be in [0, 1] (got {a.gamma_step})")

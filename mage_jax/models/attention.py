@@ -408,7 +408,8 @@ def cached_attention(q, cache_k, cache_v, kv_start, cache_index):
     """New queries q [B,T,H,D] (already written at slots cache_index..) over the cache -> [B,T,H,D].
 
     Keys [B,Hkv,D,S] and values [B,Hkv,S,D] are the cache's head-major layout (no transposed operand).
-    New token t of row b sees slots ``kv_start[b] <= s <= cache_index + t``: per-row lengths, from
+    New token t of row b sees slots ``kv_start[b] <= s <= cache_index[b] + t`` (``cache_index`` a scalar
+    or int32[B]): per-row lengths, from
     which the mask is recomputed by comparison inside the fused score computation.
     """
     b, t, h, d = q.shape
@@ -418,9 +419,10 @@ def cached_attention(q, cache_k, cache_v, kv_start, cache_index):
     scores = jnp.einsum("bkmd,bkds->bkms", qg, cache_k.astype(q.dtype), preferred_element_type=jnp.float32)
     scores = scores.reshape(b, kv_heads, groups, t, s) / math.sqrt(d)
     slots = jnp.arange(s)
-    last = jnp.asarray(cache_index, jnp.int32) + jnp.arange(t)  # [T]
+    index = jnp.broadcast_to(jnp.asarray(cache_index, jnp.int32), (b,))  # a scalar, or one per row
+    last = index[:, None] + jnp.arange(t)  # [B,T]
     mask = (slots[None, None, :] >= jnp.asarray(kv_start, jnp.int32)[:, None, None]) & (
-        slots[None, None, :] <= last[None, :, None])  # [B,T,S]
+        slots[None, None, :] <= last[:, :, None])  # [B,T,S]
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv_heads, groups * t, s)
     out = jnp.einsum("bkms,bksd->bkmd", probs, cache_v.astype(q.dtype), preferred_element_type=jnp.float32)

@@ -12,6 +12,9 @@ and padding decision, which keeps this module free of padding policy. No call ta
     hidden, cache = model(tokens, positions, segment_ids, cache, cache_index)     # prefill
     hidden, cache = model(tokens, positions, cache=cache, cache_index=i, kv_start=start[B])  # decode
 
+`cache_index` of a decode call may also be one write position per row, int32[B] (each row of the
+rollout engine's slots sits at its own length); a row whose position lies past the cache writes nothing.
+
 `segment_ids` (int, 0 = padding; a bool padding mask works too) say which of the T tokens see each
 other (causally). Prefill attends over the T new tokens only and writes their keys and values at
 slots `cache_index .. cache_index+T-1`. Decode writes the new tokens at `cache_index` and attends
@@ -200,8 +203,15 @@ class Attention(nnx.Module):
             cache_k, cache_v = kv
             k_new = k.transpose(0, 2, 3, 1).astype(cache_k.dtype)  # [B,Hkv,D,T]
             v_new = v.transpose(0, 2, 1, 3).astype(cache_v.dtype)  # [B,Hkv,T,D]
-            kv = (jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, cache_index)),
-                  jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, cache_index, 0)))
+            if cache_index.ndim == 0:
+                kv = (jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, cache_index)),
+                      jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, cache_index, 0)))
+            else:  # per-row write positions (the rollout engine's slots each sit at their own length);
+                # a position past the cache is dropped (a finished slot writes nothing)
+                rows = jnp.arange(b)[:, None]
+                at = cache_index[:, None] + jnp.arange(t)[None, :]  # [B,T]
+                kv = (cache_k.at[rows, :, :, at].set(k_new.transpose(0, 3, 1, 2), mode="drop"),
+                      cache_v.at[rows, :, at, :].set(v_new.transpose(0, 2, 1, 3), mode="drop"))
         if kv_start is None:
             out = attn.self_attention(q, k, v, segment_ids, implementation=implementation,
                                       block_size=self.block_size)

@@ -1,10 +1,22 @@
-"""The lockstep meta-episode runner (spec section 2).
+"""The meta-episode runner (spec section 2): lockstep or continuous-batching schedules.
 
-``MetaEpisodeRunner.run`` plays one meta-episode per task, all of them in lockstep: for episode
-n = 0..N-1, every turn renders the play prompts of all environments still playing and makes *one*
-batched ``policy.generate`` call; after the play phase, every meta-episode that did not win and has
-an episode left writes one reflection (one batched call for all of them). A won meta-episode stops:
-it neither reflects nor plays again. Every LLM call becomes a ``Row``.
+``MetaEpisodeRunner.run`` plays one meta-episode per task. Each meta-episode is a coroutine
+(``_meta_episode``) that yields the LLM calls it needs, one at a time, and receives their responses:
+for episode n = 0..N-1 it plays turns until its environment is done, then (if it did not win and an
+episode is left) writes one reflection. A won meta-episode stops: it neither reflects nor plays again.
+Every LLM call becomes a ``Row``. Its prompts depend on its own history only, so how the calls of
+different meta-episodes are scheduled changes nothing they see:
+
+* lockstep (a policy without a stream): every turn renders the play prompts of all environments still
+  playing and makes *one* batched ``policy.generate`` call; after the play phase, one batched call for
+  all reflections (the spec's schedule);
+* continuous batching (``policy.open_stream()``, ``LLMPolicy`` with a ``rollout.engine.RolloutEngine``):
+  a meta-episode's next prompt is submitted as soon as its previous response is back and its environment
+  stepped, so no meta-episode waits for the slowest response of a turn. Rows come back in completion
+  order and are put back in the lockstep order (episode, play turns then reflection, turn, task), so
+  the training batch, the outcomes and the statistics are the lockstep path's (greedy decoding: the
+  same tokens; ``tests/rollout/test_engine.py``). Sampling keys derive from (meta-episode, episode,
+  phase/turn), not from the schedule.
 
 Memory: after episode n the runner keeps an ``EpisodeRecord`` (moves, reward, won, reflection) and
 the play prompts of later episodes show the records per ``memory_mode`` (rendered by
@@ -26,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,11 +55,12 @@ from mage_jax.envs.prompts import (
     render_play_prompt,
     render_reflect_prompt,
 )
-from mage_jax.rollout.policy import Generation, GenerationRequest, Policy
+from mage_jax.rollout.policy import Generation, GenerationRequest, Policy, PolicyStream
 from mage_jax.rollout.rows import Row
 from mage_jax.rollout.tasks import Task
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
+_PHASE_STRIDE = 1 << 16  # key path of a request: (meta-episode, episode, phase * stride + turn)
 _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
 
@@ -166,6 +179,29 @@ class _MetaState:
     done: bool = False
     finished: bool = False
     step: int = 0
+    index: int = 0  # position in the rollout's task list (the lockstep row order)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One LLM call a meta-episode waits on. ``key`` (episode, phase 0 play / 1 reflect, turn) orders the
+    lockstep schedule; ``prompt`` is None when it could not be made to fit (no generation)."""
+
+    key: tuple[int, int, int]
+    prompt: str | None
+    allowed: tuple[str, ...] | None
+    max_new_tokens: int | None
+
+
+_Play = Generator[_Call, "Generation | None", Any]
+
+
+def _advance(play: _Play, value: Generation | None) -> _Call | None:
+    """Resume a meta-episode with the response to its last call; its next call, or None when it ended."""
+    try:
+        return play.send(value)
+    except StopIteration:
+        return None
 
 
 class MetaEpisodeRunner:
@@ -196,10 +232,11 @@ class MetaEpisodeRunner:
             progress: Callable[[int], None] | None = None) -> RolloutResult:
         """Play one meta-episode per task; returns every row and every outcome. ``progress`` is called
         with the number of rows each batched generation call produced (progress inside long work)."""
-        cfg = self.config
         self._progress = progress
         start = time.perf_counter()
         self._rows: list[Row] = []
+        self._row_keys: list[tuple[int, int, int, int]] = []
+        self._call_keys: set[tuple[int, int, int]] = set()
         self._stats = {
             "generate_calls": 0,
             "overflow_prompts": 0,
@@ -231,50 +268,114 @@ class MetaEpisodeRunner:
                 )
             )
 
-        for episode in range(cfg.num_episodes):
-            active = [s for s in states if not s.finished]
-            if not active:
-                break
-            for s in active:
-                if episode > 0:
-                    s.initial_observation = s.env.restart()
-                s.moves, s.episode_reward, s.last_result, s.done = [], 0.0, None, False
-            self._play_phase(active, episode, policy)
-            records = {id(s): self._end_episode(s) for s in active}
-            reflecting = [
-                s for s in active if cfg.reflect and not s.outcome.won[-1] and episode < cfg.num_episodes - 1
-            ]
-            reflections = self._reflect_phase(reflecting, records, episode, policy)
-            for s in active:
-                record = records[id(s)]
-                if id(s) in reflections:
-                    record = dataclasses.replace(record, reflection=reflections[id(s)])
-                    s.outcome.reflections.append(reflections[id(s)])
-                s.memory.append(record)
-                if s.outcome.won[-1]:
-                    s.finished = True
-
+        for index, s in enumerate(states):
+            s.index = index
+        self._states = states
+        stream = self._open_stream(policy)
+        plays = [self._meta_episode(s, policy) for s in states]
+        if stream is None:
+            self._drive_lockstep(plays, policy)
+        else:
+            self._drive_stream(plays, stream)
+            # Completion order depends on response lengths; the training batch keeps the lockstep order.
+            order = sorted(range(len(self._rows)), key=self._row_keys.__getitem__)
+            self._rows = [self._rows[i] for i in order]
+        self._stats["generate_calls"] = len(self._call_keys)
         return RolloutResult(
             rows=self._rows, outcomes=[s.outcome for s in states], stats=self._final_stats(states, start)
         )
 
-    # -- phases --------------------------------------------------------------------------------
+    # -- scheduling ----------------------------------------------------------------------------
+    @staticmethod
+    def _open_stream(policy: Policy) -> PolicyStream | None:
+        """The policy's continuous-batching stream (``LLMPolicy`` with an engine), or None: lockstep."""
+        opener = getattr(policy, "open_stream", None)
+        return opener() if opener is not None else None
+
+    def _drive_lockstep(self, plays: list[_Play], policy: Policy) -> None:
+        """Lockstep: every meta-episode waiting on the earliest (episode, phase, turn) is generated in one
+        batched call; the others wait. This is the spec's turn-by-turn schedule: all play turns of an
+        episode, then its reflections, then the next episode."""
+        pending = {i: c for i, c in ((i, _advance(p, None)) for i, p in enumerate(plays)) if c is not None}
+        while pending:
+            key = min(c.key for c in pending.values())
+            batch = [i for i in sorted(pending) if pending[i].key == key]
+            calls = [pending[i] for i in batch]
+            if any(c.prompt is not None for c in calls):
+                self._call_keys.add(key)
+            generations = self._generate([c.prompt for c in calls], [c.allowed for c in calls],
+                                         calls[0].max_new_tokens, policy)
+            for i, gen in zip(batch, generations):
+                call = _advance(plays[i], gen)
+                if call is None:
+                    del pending[i]
+                else:
+                    pending[i] = call
+
+    def _drive_stream(self, plays: list[_Play], stream: PolicyStream) -> None:
+        """Continuous batching: a meta-episode's next prompt is submitted as soon as its previous response
+        is back and its environment stepped; nothing waits for other meta-episodes."""
+
+        def start(i: int, value: Generation | None) -> None:
+            call = _advance(plays[i], value)
+            while call is not None and call.prompt is None:  # did not fit: an invalid turn, no generation
+                call = _advance(plays[i], None)
+            if call is not None:
+                self._call_keys.add(call.key)
+                request = GenerationRequest(prompt=call.prompt, allowed_completions=call.allowed,
+                                            max_new_tokens=call.max_new_tokens)
+                meta_episode = plays_meta[i]
+                episode, phase, turn = call.key
+                stream.submit(i, request, (meta_episode, episode, phase * _PHASE_STRIDE + turn),
+                              priority=call.key)
+
+        plays_meta = [s.task.meta_episode % 2**31 for s in self._states]
+        for i in range(len(plays)):
+            start(i, None)
+        while stream.busy:
+            done = stream.collect()
+            if done and self._progress is not None:
+                self._progress(len(done))
+            for i, gen in done:
+                if getattr(gen, "skipped", False):
+                    self._stats["overflow_invalid"] += 1
+                    gen = None
+                start(i, gen)
+
+    # -- one meta-episode ----------------------------------------------------------------------
+    def _meta_episode(self, s: _MetaState, policy: Policy) -> _Play:
+        """Meta-episode ``s`` as a coroutine: it yields each LLM call it needs and receives the response
+        (None: the prompt did not fit). Its prompts depend on its own history only, so any schedule that
+        answers its calls in order plays it identically."""
+        cfg = self.config
+        for episode in range(cfg.num_episodes):
+            if s.finished:
+                return
+            if episode > 0:
+                s.initial_observation = s.env.restart()
+            s.moves, s.episode_reward, s.last_result, s.done = [], 0.0, None, False
+            yield from self._play_episode(s, episode, policy)
+            record = self._end_episode(s)
+            if cfg.reflect and not s.outcome.won[-1] and episode < cfg.num_episodes - 1:
+                reflection = yield from self._reflect(s, record, episode, policy)
+                record = dataclasses.replace(record, reflection=reflection)
+                s.outcome.reflections.append(reflection)
+            s.memory.append(record)
+            if s.outcome.won[-1]:
+                s.finished = True
+
     def _max_turns(self, env: TextEnv) -> int:
         return self.config.max_turns or int(env.max_turns)
 
-    def _play_phase(self, active: list[_MetaState], episode: int, policy: Policy) -> None:
+    def _play_episode(self, s: _MetaState, episode: int, policy: Policy) -> _Play:
         cfg = self.config
-        for turn in range(max(self._max_turns(s.env) for s in active)):
-            playing = [s for s in active if not s.done and turn < self._max_turns(s.env)]
-            if not playing:
+        for turn in range(self._max_turns(s.env)):
+            if s.done:
                 return
-            show = [bool(getattr(s.env, "show_admissible", False)) for s in playing]
-            legal = [
-                list(s.env.legal_actions()) if (cfg.constrained_actions or sh) else None
-                for s, sh in zip(playing, show)
-            ]
+            show = bool(getattr(s.env, "show_admissible", False))
+            legal = list(s.env.legal_actions()) if (cfg.constrained_actions or show) else None
 
-            def render(s: _MetaState, memory: list[EpisodeRecord], spec, admissible) -> str:
+            def render(memory: list[EpisodeRecord], spec, admissible=(legal if show else None)) -> str:
                 return render_play_prompt(
                     spec,
                     s.initial_observation,
@@ -286,45 +387,28 @@ class MetaEpisodeRunner:
                     style=cfg.prompt_style,
                 )
 
-            renderers = [
-                (lambda memory, spec, s=s, adm=(lg if sh else None): render(s, memory, spec, adm))
-                for s, sh, lg in zip(playing, show, legal)
-            ]
-            prompts = self._fit_prompts(
-                renderers, [s.memory for s in playing], [s.env for s in playing], policy
+            prompt = self._fit_prompts([render], [s.memory], [s.env], policy)[0]
+            allowed = (
+                tuple(f"<action>{a}</action>" for a in legal) if cfg.constrained_actions and legal else None
             )
-            allowed = [
-                tuple(f"<action>{a}</action>" for a in lg) if cfg.constrained_actions and lg else None
-                for lg in legal
-            ]
-            anchors = [play_anchor(s.env.observation, s.task.opponent) for s in playing]
-            generations = self._generate(prompts, allowed, cfg.max_response_tokens, policy)
-            for s, prompt, gen, anchor in zip(playing, prompts, generations, anchors):
-                if gen is None:  # the prompt could not be made to fit
-                    result = s.env.invalid_step("prompt longer than max_prompt_tokens")
-                else:
-                    result = s.env.step(gen.text)
-                s.moves.append(
-                    Move(result.action, result.observation, float(result.reward), bool(result.info.valid))
-                )
-                s.episode_reward += float(result.reward)
-                s.last_result = result
-                s.done = bool(result.done)
-                if result.info.valid:
-                    s.outcome.valid_actions += 1
-                else:
-                    s.outcome.invalid_actions += 1
-                self._record(
-                    s,
-                    episode,
-                    turn,
-                    "play",
-                    prompt,
-                    gen,
-                    anchor,
-                    float(result.reward),
-                    bool(result.info.valid),
-                )
+            anchor = play_anchor(s.env.observation, s.task.opponent)
+            gen = yield _Call((episode, 0, turn), prompt, allowed, cfg.max_response_tokens)
+            if gen is None:  # the prompt could not be made to fit
+                result = s.env.invalid_step("prompt longer than max_prompt_tokens")
+            else:
+                result = s.env.step(gen.text)
+            s.moves.append(
+                Move(result.action, result.observation, float(result.reward), bool(result.info.valid))
+            )
+            s.episode_reward += float(result.reward)
+            s.last_result = result
+            s.done = bool(result.done)
+            if result.info.valid:
+                s.outcome.valid_actions += 1
+            else:
+                s.outcome.invalid_actions += 1
+            self._record(s, episode, turn, "play", prompt, gen, anchor, float(result.reward),
+                         bool(result.info.valid))
 
     def _end_episode(self, s: _MetaState) -> EpisodeRecord:
         result = s.last_result
@@ -342,36 +426,24 @@ class MetaEpisodeRunner:
             episode=len(out.rewards) - 1,
         )
 
-    def _reflect_phase(
-        self, reflecting: list[_MetaState], records: dict[int, EpisodeRecord], episode: int, policy: Policy
-    ) -> dict[int, str]:
-        if not reflecting:
-            return {}
+    def _reflect(self, s: _MetaState, record: EpisodeRecord, episode: int, policy: Policy):
+        """The reflection after ``episode`` (a coroutine step like ``_play_episode``); returns its text."""
         cfg = self.config
-        privileged = [
+        privileged = (
             s.env.privileged_observation() if (cfg.privileged_reflection and self._training) else None
-            for s in reflecting
-        ]
+        )
 
-        renderers = [
-            (
-                lambda memory, spec, s=s, p=p: render_reflect_prompt(
-                    spec, s.initial_observation, records[id(s)], episode, style=cfg.prompt_style, privileged=p
-                )
-            )
-            for s, p in zip(reflecting, privileged)
-        ]
-        prompts = self._fit_prompts(renderers, [[] for _ in reflecting], [s.env for s in reflecting], policy)
-        generations = self._generate(prompts, [None] * len(reflecting), cfg.max_reflection_tokens, policy)
-        reflections: dict[int, str] = {}
-        for s, prompt, gen in zip(reflecting, prompts, generations):
-            text, valid = extract_reflection(gen.text) if gen is not None else ("", False)
-            if not valid:
-                self._stats["missing_remark"] += 1
-            reflections[id(s)] = text
-            anchor = reflection_anchor(s.task.opponent)
-            self._record(s, episode, 0, "reflect", prompt, gen, anchor, 0.0, valid)
-        return reflections
+        def render(memory: list[EpisodeRecord], spec) -> str:
+            return render_reflect_prompt(spec, s.initial_observation, record, episode, style=cfg.prompt_style,
+                                         privileged=privileged)
+
+        prompt = self._fit_prompts([render], [[]], [s.env], policy)[0]
+        gen = yield _Call((episode, 1, 0), prompt, None, cfg.max_reflection_tokens)
+        text, valid = extract_reflection(gen.text) if gen is not None else ("", False)
+        if not valid:
+            self._stats["missing_remark"] += 1
+        self._record(s, episode, 0, "reflect", prompt, gen, reflection_anchor(s.task.opponent), 0.0, valid)
+        return text
 
     # -- prompts and generation ----------------------------------------------------------------
     def _fit_prompts(
@@ -440,7 +512,6 @@ class MetaEpisodeRunner:
             for i in index
         ]
         generations = policy.generate(requests)
-        self._stats["generate_calls"] += 1
         if self._progress is not None:
             self._progress(len(generations))
         if len(generations) != len(requests):
@@ -495,6 +566,7 @@ class MetaEpisodeRunner:
                 response_text=(gen.text if gen is not None else "") if keep else None,
             )
         )
+        self._row_keys.append((episode, 0 if phase == "play" else 1, turn, s.index))
         s.step += 1
         s.outcome.rows += 1
 

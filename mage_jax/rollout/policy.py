@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from mage_jax.constraints import automaton_from_completions
+from mage_jax.rollout.engine import EngineRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,31 @@ class Policy(Protocol):
 
     def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
         """Token count of each prompt as it would be fed to the model (chat template included)."""
+        ...
+
+
+@runtime_checkable
+class PolicyStream(Protocol):
+    """Continuous batching: requests go in one at a time and come back as they finish.
+
+    A policy that can stream has ``open_stream() -> PolicyStream | None`` (None: it generates in
+    lockstep only); the meta-episode runner then submits each meta-episode's next prompt as soon as its
+    previous response is back. ``key_path`` names the request (meta-episode, episode, phase/turn); the
+    randomness of its response derives from it alone, not from the order or company it ran in.
+    """
+
+    @property
+    def busy(self) -> bool:
+        """Some submitted request has not been collected yet."""
+        ...
+
+    def submit(self, tag: Any, request: GenerationRequest, key_path: tuple[int, ...],
+               priority: tuple[int, ...] = ()) -> None:
+        """Queue ``request``; waiting requests start smallest ``priority`` first, then in arrival order."""
+        ...
+
+    def collect(self) -> list[tuple[Any, Generation]]:
+        """Advance generation a little; the (tag, generation) pairs that finished meanwhile."""
         ...
 
 
@@ -158,6 +184,8 @@ class LLMPolicy:
     longer than ``max_prompt_tokens`` are not sent to the model: they come back as an empty, truncated
     response (an invalid turn), never an error. The runner normally shortens prompts before that happens.
     Automata for constrained rows are built once per distinct set of allowed completions and cached.
+    With an ``engine`` (``rollout.engine.RolloutEngine``) the policy also streams (``open_stream``): the
+    runner then schedules its calls by continuous batching instead of lockstep.
     """
 
     def __init__(
@@ -168,6 +196,7 @@ class LLMPolicy:
         sampling_params: Any,
         rng: Any,
         max_prompt_tokens: int | None = None,
+        engine: Any | None = None,
     ):
         self.tokenizer = tokenizer
         self.sampler = sampler
@@ -175,6 +204,7 @@ class LLMPolicy:
         self.sampling_params = sampling_params
         self.rng = rng
         self.max_prompt_tokens = max_prompt_tokens
+        self.engine = engine
         self._automata: dict[tuple[str, ...], Any] = {}
         self._prompt_cache: dict[str, list[int]] = {}
 
@@ -208,17 +238,28 @@ class LLMPolicy:
         return min(limits) if limits else None
 
     # -- generation ----------------------------------------------------------------------------
+    def open_stream(self) -> PolicyStream | None:
+        """A continuous-batching stream over the engine (None without one: lockstep ``generate``)."""
+        if self.engine is None:
+            return None
+        self.rng, key = jax.random.split(self.rng)
+        return _EngineStream(self, self.engine.session(self.params_state, self.sampling_params, key))
+
+    def _fits(self, ids: Sequence[int], limit: int | None) -> bool:
+        return bool(ids) and (limit is None or len(ids) <= limit)
+
+    def _row_limit(self, request: GenerationRequest) -> int:
+        return int(request.max_new_tokens or self.sampling_params.max_new_tokens)
+
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         if not requests:
             return []
         prompt_ids = self._encode([r.prompt for r in requests])
         self._prompt_cache.clear()  # prompts change every turn; keep the cache to one call's worth
         limit = self._prompt_limit()
-        fits = [i for i, ids in enumerate(prompt_ids) if ids and (limit is None or len(ids) <= limit)]
+        fits = [i for i, ids in enumerate(prompt_ids) if self._fits(ids, limit)]
         # A prompt that cannot be fed to the model gets an empty response (an invalid turn), not an error.
-        results: list[Generation | None] = [
-            Generation(text="", prompt_ids=(), response_ids=(), logprobs=(), truncated=True, skipped=True)
-        ] * len(requests)
+        results: list[Generation | None] = [_SKIPPED] * len(requests)
         if fits:
             constraints = [
                 self.automaton(requests[i].allowed_completions) if requests[i].allowed_completions else None
@@ -227,8 +268,7 @@ class LLMPolicy:
             any_constraint = any(c is not None for c in constraints)
             limits = None
             if any(requests[i].max_new_tokens is not None for i in fits):
-                default = int(self.sampling_params.max_new_tokens)
-                limits = np.asarray([requests[i].max_new_tokens or default for i in fits], dtype=np.int32)
+                limits = np.asarray([self._row_limit(requests[i]) for i in fits], dtype=np.int32)
             self.rng, key = jax.random.split(self.rng)
             out = self.sampler.generate(
                 self.params_state,
@@ -250,3 +290,51 @@ class LLMPolicy:
                     constraint=constraints[j],
                 )
         return results  # type: ignore[return-value]
+
+
+_SKIPPED = Generation(text="", prompt_ids=(), response_ids=(), logprobs=(), truncated=True, skipped=True)
+
+
+class _EngineStream:
+    """``LLMPolicy`` over one engine session: text in, ``Generation`` out (prompts that cannot be fed
+    to the model come back at once as skipped, like ``generate``)."""
+
+    def __init__(self, policy: LLMPolicy, session: Any):
+        self.policy = policy
+        self.session = session
+        self._ready: list[tuple[Any, Generation]] = []
+        self._meta: dict[Any, tuple[np.ndarray, Any]] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._ready) or self.session.busy
+
+    def submit(self, tag: Any, request: GenerationRequest, key_path: tuple[int, ...],
+               priority: tuple[int, ...] = ()) -> None:
+        policy = self.policy
+        ids = policy._encode([request.prompt])[0]
+        policy._prompt_cache.pop(request.prompt, None)
+        if not policy._fits(ids, policy._prompt_limit()):
+            self._ready.append((tag, _SKIPPED))
+            return
+        automaton = policy.automaton(request.allowed_completions) if request.allowed_completions else None
+        self._meta[tag] = (np.asarray(ids, dtype=np.int32), automaton)
+        self.session.submit(EngineRequest(
+            tag=tag, prompt_ids=tuple(int(t) for t in ids), limit=policy._row_limit(request),
+            automaton=automaton, key_path=tuple(int(k) for k in key_path), priority=tuple(priority),
+        ))
+
+    def collect(self) -> list[tuple[Any, Generation]]:
+        out, self._ready = self._ready, []
+        if not self.session.busy:
+            return out
+        results = self.session.step()
+        texts = self.policy.tokenizer.decode_batch([list(map(int, r.tokens)) for r in results])
+        for r, text in zip(results, texts):
+            prompt_ids, automaton = self._meta.pop(r.tag)
+            out.append((r.tag, Generation(
+                text=text, prompt_ids=prompt_ids, response_ids=np.asarray(r.tokens, dtype=np.int32),
+                logprobs=np.asarray(r.logprobs, dtype=np.float32), truncated=not r.finished,
+                constraint=automaton,
+            )))
+        return out

@@ -25,6 +25,7 @@ from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.hf_loading import load_hf_params
 from mage_jax.rollout.attempts import IndependentAttemptsRunner
+from mage_jax.rollout.engine import RolloutEngine
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
 from mage_jax.rollout.policy import LLMPolicy, Policy, RandomLegalPolicy
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
@@ -324,6 +325,8 @@ class RunParts:
     train_runner: MetaEpisodeRunner
     eval_runner: MetaEpisodeRunner | IndependentAttemptsRunner
     init_params: Any
+    engine: RolloutEngine | None = None
+    """The continuous-batching engine every policy of the run streams through; None: lockstep."""
 
     def policy(self, params: Any, key: jax.Array, *, evaluation: bool) -> Policy:
         """The LLM policy of ``params`` with the training or the evaluation sampling settings."""
@@ -334,7 +337,7 @@ class RunParts:
             max_new_tokens=max(r.max_response_tokens, r.max_reflection_tokens or 0),
         )
         return LLMPolicy(self.tokenizer, self.sampler, params, sampling, key,
-                         max_prompt_tokens=r.max_prompt_tokens)
+                         max_prompt_tokens=r.max_prompt_tokens, engine=self.engine)
 
     def train_step(self) -> TrainStep:
         """The jitted train step of ``cfg.optim`` (AdamW + clipping on its learning-rate schedule)."""
@@ -364,8 +367,22 @@ def build_parts(cfg: C.ExperimentConfig, run_dir: str | None, *, eval_mode: str 
         cfg=cfg, mesh=mesh, tokenizer=tokenizer, model_config=model_config, graphdef=graphdef,
         sampler=sampler, task_sampler=task_sampler,
         train_runner=make_runner(cfg, num_episodes=cfg.rollout.num_episodes), eval_runner=eval_runner,
-        init_params=params,
+        init_params=params, engine=make_engine(cfg, sampler, mesh),
     )
+
+
+def make_engine(cfg: C.ExperimentConfig, sampler: Sampler, mesh: Any) -> RolloutEngine | None:
+    """The rollout engine of ``cfg`` (None for ``rollout.engine=lockstep``). Slots: ``rollout.engine_slots``,
+    or the sampler's largest row bucket (the largest rollout, capped at ``rollout.max_decode_rows``) and
+    at most 64; always a multiple of the mesh's batch ways so they shard with the rows."""
+    r = cfg.rollout
+    if r.engine == "lockstep":
+        return None
+    batch_axis = mesh.shape["data"] * mesh.shape["fsdp"]
+    slots = r.engine_slots or min(sampler_batch_buckets(cfg, mesh)[-1], 64)
+    slots = -(-slots // batch_axis) * batch_axis
+    return RolloutEngine(sampler, slots=slots, chunk=r.engine_chunk,
+                         max_new_tokens=max(r.max_response_tokens, r.max_reflection_tokens or 0))
 
 
 def evaluation_key(base_key: jax.Array, iteration: int) -> jax.Array:

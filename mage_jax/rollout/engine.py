@@ -1,0 +1,226 @@
+"""The continuous-batching rollout engine: decode slots that never wait for the slowest row.
+
+A lockstep turn (``sampling.Sampler.generate``) runs until its longest row finishes, and every row
+that finished earlier idles until then; every prompt is prefilled from scratch. The engine keeps a
+fixed set of ``slots`` (``slot_sampler.SlotSampler``) busy for a whole rollout instead:
+
+* requests queue up (``submit``) and enter free slots in arrival order;
+* ``step`` fills every free slot (one insert program), runs one decode chunk of ``chunk`` steps, and
+  returns the requests that finished; the caller (the meta-episode runner) steps their environments
+  and submits their next prompts right away, while the other slots keep their place mid-response;
+* identical prompts entering together (the G copies of a group share their first prompt) are
+  prefilled once and their keys and values copied into each copy's slot.
+
+Why a chunk of a few steps between host checks: a decode step of all slots is one small program; the
+host needs the finished flags to retire slots, and a round trip per token would cost more than the
+token on an accelerator. With ``chunk`` steps a finished slot idles at most ``chunk - 1`` steps.
+
+Each request carries a *key path* from which its sampling keys derive (``slot_sampler.row_keys``), so
+its response does not depend on the slot it ran in or the requests beside it. With greedy decoding
+the tokens equal the lockstep sampler's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from mage_jax.constraints import TokenAutomaton, stack_automata
+from mage_jax.sampling import Sampler, SamplingParams
+from mage_jax.slot_sampler import KEY_PATH_LEN, Donor, Slots, SlotSampler
+
+DEFAULT_CHUNK = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    """One response to generate. ``tag``: the caller's handle; ``key_path``: KEY_PATH_LEN integers in
+    [0, 2**31) that name the request (the runner: meta-episode, episode, phase and turn); ``priority``:
+    waiting requests start smallest first, then in arrival order (the runner passes its lockstep order
+    (episode, phase, turn), so meta-episodes that fell behind catch up and the last one to finish is not
+    left decoding alone)."""
+
+    tag: Any
+    prompt_ids: tuple[int, ...]
+    limit: int
+    automaton: TokenAutomaton | None
+    key_path: tuple[int, ...]
+    priority: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineResult:
+    """A finished request: response ids (EOS included when drawn), their log-probs, EOS reached."""
+
+    tag: Any
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    finished: bool
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Work counters. ``decode_row_steps`` counts every slot of every decode step (what was computed);
+    ``decode_tokens`` the tokens decode steps drew and a response kept (its first token comes from the
+    prefill)."""
+
+    requests: int = 0
+    inserts: int = 0
+    prefill_tokens: int = 0
+    prefill_rows: int = 0
+    decode_steps: int = 0
+    decode_row_steps: int = 0
+    decode_tokens: int = 0
+
+    @property
+    def useful_decode_fraction(self) -> float:
+        return self.decode_tokens / self.decode_row_steps if self.decode_row_steps else 1.0
+
+
+class RolloutEngine:
+    """Built once per run (its compiled programs live as long as it does); ``session`` per rollout.
+
+    ``sampler`` gives the model graph, special ids, prompt buckets and mesh; ``slots`` is the number of
+    concurrent rows (a multiple of the mesh's data x fsdp ways); ``max_new_tokens`` the longest response.
+    """
+
+    def __init__(self, sampler: Sampler, *, slots: int, max_new_tokens: int, chunk: int = DEFAULT_CHUNK):
+        self.sampler = sampler
+        self.kernels = SlotSampler(sampler, slots=slots, max_new_tokens=max_new_tokens, chunk=chunk)
+
+    @property
+    def num_slots(self) -> int:
+        return self.kernels.num_slots
+
+    @property
+    def compile_count(self) -> int:
+        return self.kernels.compile_count
+
+    def session(self, state: Any, params: SamplingParams, key: jax.Array) -> EngineSession:
+        """A fresh set of free slots generating with the model ``state`` and ``params``."""
+        if params.max_new_tokens > self.kernels.max_new_tokens:
+            raise ValueError(f"max_new_tokens {params.max_new_tokens} exceeds the engine's "
+                             f"{self.kernels.max_new_tokens}")
+        return EngineSession(self, self.sampler._place_state(state), params, key)
+
+
+class EngineSession:
+    """The queue and slots of one rollout; see the module docstring."""
+
+    def __init__(self, engine: RolloutEngine, state: Any, params: SamplingParams, key: jax.Array):
+        self.engine = engine
+        self.kernels = engine.kernels
+        self.state = state
+        self.params = params
+        self.key = key
+        self.slots: Slots = self.kernels.empty()
+        self.queue: list[tuple[tuple[int, ...], int, EngineRequest]] = []  # a heap
+        self._arrivals = itertools.count()
+        self.running: dict[int, EngineRequest] = {}
+        self.free: list[int] = list(range(self.kernels.num_slots))
+        self.prefixes: dict[tuple[int, ...], Donor] = {}  # prompts held by some slot's cache
+        self.slot_prompt: dict[int, tuple[int, ...]] = {}
+        self.stats = EngineStats()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue or self.running)
+
+    def submit(self, request: EngineRequest) -> None:
+        if not request.prompt_ids:
+            raise ValueError("an engine request needs at least one prompt token")
+        if len(request.key_path) != KEY_PATH_LEN or not all(0 <= k < 2**31 for k in request.key_path):
+            raise ValueError(f"key_path must be {KEY_PATH_LEN} integers in [0, 2**31), "
+                             f"got {request.key_path}")
+        heapq.heappush(self.queue, (request.priority, next(self._arrivals), request))
+
+    def step(self) -> list[EngineResult]:
+        """Fill the free slots, run one decode chunk when some slot is still decoding, and return the
+        requests that finished (in slot order)."""
+        self._fill()
+        if not self.running:
+            return []
+        done = np.asarray(self.slots.done)
+        decoding = [s for s in self.running if not done[s]]
+        if decoding:
+            furthest = int(np.asarray(self.slots.write)[decoding].max())
+            self.slots, steps = self.kernels.decode(self.state, self.slots, self.params, self.key,
+                                                    self.kernels.window(furthest))
+            steps = int(steps)
+            self.stats.decode_steps += steps
+            self.stats.decode_row_steps += steps * self.kernels.num_slots
+            done = np.asarray(self.slots.done)
+        ended = sorted(s for s in self.running if done[s])
+        if not ended:
+            return []
+        # Whole arrays come back (one shape, no gather program per count of finished slots).
+        lengths, finished = np.asarray(self.slots.length), np.asarray(self.slots.finished)
+        tokens, logprobs = np.asarray(self.slots.tokens), np.asarray(self.slots.logprobs)
+        out = []
+        for s in ended:
+            n = int(lengths[s])
+            self.stats.decode_tokens += max(n - 1, 0)
+            out.append(EngineResult(self.running.pop(s).tag, tokens[s, :n].copy(), logprobs[s, :n].copy(),
+                                    bool(finished[s])))
+            self.free.append(s)
+        self.free.sort()
+        return out
+
+    def _fill(self) -> None:
+        """Start queued requests in free slots; identical prompts are prefilled once."""
+        if not self.queue or not self.free:
+            return
+        take = [heapq.heappop(self.queue)[2] for _ in range(min(len(self.free), len(self.queue)))]
+        targets = [self.free.pop(0) for _ in take]
+        # A prompt some slot already holds is copied from it; the others are prefilled, each once.
+        unique: dict[tuple[int, ...], int] = {}
+        donors = [self.prefixes.get(r.prompt_ids) for r in take]
+        source = [0 if d is not None else unique.setdefault(r.prompt_ids, len(unique))
+                  for r, d in zip(take, donors)]
+        prompts = list(unique)
+        bucket = self.kernels.prompt_bucket(prompts, donors)
+        vocab = self.engine.sampler.vocab_size
+        states = max((r.automaton.num_states for r in take if r.automaton is not None), default=1)
+        if states > self.slots.num_states:
+            self.slots = self.kernels.grow_states(self.slots, _pow2(states))
+        table = stack_automata([r.automaton for r in take], vocab, num_states=self.slots.num_states)
+        paths = np.asarray([r.key_path for r in take], np.int32)
+        self.slots = self.kernels.insert(
+            self.state, self.slots, prompts, source, targets, [r.limit for r in take], table, paths,
+            self.params, self.key, donors,
+        )
+        for slot in targets:  # their old prompts are overwritten now
+            old = self.slot_prompt.pop(slot, None)
+            held = self.prefixes.get(old) if old is not None else None
+            if held is not None and held.slot == slot:
+                del self.prefixes[old]
+        for slot, request, donor in zip(targets, take, donors):
+            self.running[slot] = request
+            self.slot_prompt[slot] = request.prompt_ids
+            base = donor.bucket if donor is not None else bucket
+            self.prefixes[request.prompt_ids] = Donor(slot, base, len(request.prompt_ids))
+        self.stats.requests += len(take)
+        self.stats.inserts += 1
+        self.stats.prefill_rows += len(prompts)
+        self.stats.prefill_tokens += sum(len(p) for p in prompts)
+
+
+def generate_all(session: EngineSession, requests: Sequence[EngineRequest]) -> dict[Any, EngineResult]:
+    """Submit ``requests`` and step until all finished (no follow-up prompts): results by tag."""
+    for r in requests:
+        session.submit(r)
+    out: dict[Any, EngineResult] = {}
+    while session.busy:
+        for result in session.step():
+            out[result.tag] = result
+    return out
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

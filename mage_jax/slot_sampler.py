@@ -1,0 +1,437 @@
+"""Jitted kernels of the rollout engine: a fixed set of decode slots over one static KV cache.
+
+``mage_jax.sampling.Sampler`` runs one batch from prefill to its longest row; the engine
+(``mage_jax.rollout.engine``) instead keeps ``S`` decode *slots* alive for a whole rollout and moves
+rows in and out of them between short decode chunks. This module holds the two device programs and
+the slot state they share; scheduling (which request goes where, prefix sharing) is the engine's.
+
+* ``insert``: prefill ``U`` distinct prompts (left-padded to a prompt bucket ``P``, causal attention
+  among the prompt tokens only, exactly the sampler's prefill), copy their keys and values into ``T``
+  target slots (``U <= T``: the G copies of a group are prefilled once and copied G times) at cache
+  positions ``0..P-1``, and draw each target's first token from the prefill logits.
+* ``decode``: up to ``chunk`` decode steps of every slot at once, leaving the loop early when every slot
+  is done. Each slot writes at its own cache position and attends over its own span
+  ``kv_start .. write`` (per-row ``cache_index`` of ``models.transformer``), so a slot that holds a
+  short prompt of its second turn decodes next to one deep in a long first response.
+
+Static shapes: the slot count ``S``, the cache length ``L = largest prompt bucket + max_new_tokens``,
+the response buffer ``N = max_new_tokens``, the automaton states ``Q``; an insert compiles once per
+(U bucket, T bucket, P bucket). After warm-up nothing recompiles (``compile_count`` counts traces).
+
+Randomness: a slot's token ``i`` is drawn with ``fold_in(fold_in(fold_in(fold_in(key, a), b), c), i)``
+where ``(a, b, c)`` is the request's *key path* (the runner uses meta-episode, episode, phase/turn), so
+a response does not depend on which slot ran it or what ran beside it. Token choice, masking and the
+returned log-probs are ``sampling.choose_tokens`` (the lockstep sampler's), row by row.
+
+Constraints: every slot carries an automaton table ``transitions[S, Q, V]`` (an unconstrained request
+gets the accept-all automaton, which leaves the logits unchanged), masked exactly like the sampler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mage_jax.constraints import allowed_tokens
+from mage_jax.models.transformer import KVCache, init_cache
+from mage_jax.sampling import Sampler, SamplingParams, choose_tokens
+
+KEY_PATH_LEN = 3
+_NOWHERE = 2**30  # a cache position past any cache: the write is dropped
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """Device state of ``S`` decode slots (arrays lead with the slot axis, sharded like cache rows)."""
+
+    cache: KVCache
+    last: jax.Array  # int32[S]: the last drawn token, fed at the next step
+    write: jax.Array  # int32[S]: the cache position where ``last`` is written
+    position: jax.Array  # int32[S]: the rotary position of ``last``
+    kv_start: jax.Array  # int32[S]: the slot's first real cache position (left padding before it)
+    length: jax.Array  # int32[S]: response tokens drawn so far
+    limit: jax.Array  # int32[S]: the request's token limit
+    done: jax.Array  # bool[S]: EOS, limit reached, or free
+    finished: jax.Array  # bool[S]: the response ended with EOS
+    auto: jax.Array  # int32[S]: automaton state
+    transitions: jax.Array  # int32[S, Q, V]
+    key_path: jax.Array  # int32[S, KEY_PATH_LEN]
+    tokens: jax.Array  # int32[S, N]
+    logprobs: jax.Array  # float32[S, N]
+    prompt_hidden: jax.Array  # [S, H]: the final hidden state of the slot's last prompt token
+
+    @property
+    def num_slots(self) -> int:
+        return self.last.shape[0]
+
+    @property
+    def num_states(self) -> int:
+        return self.transitions.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Donor:
+    """A slot whose cache positions ``bucket - length .. bucket - 1`` hold a prompt's keys and values
+    (and whose ``prompt_hidden`` its last hidden state): a later request with the same prompt copies them
+    instead of prefilling. Valid until the slot is given to another request (decode writes start at
+    ``bucket``)."""
+
+    slot: int
+    bucket: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+
+
+def _static(params: SamplingParams, vocab: int) -> _Static:
+    return _Static(params.is_greedy, min(params.top_k, vocab), params.top_p < 1.0)
+
+
+def row_keys(key: jax.Array, key_path: jax.Array, step: jax.Array) -> jax.Array:
+    """One PRNG key per row: ``key`` folded with the row's key path, then with the token index."""
+
+    def one(path, i):
+        k = key
+        for j in range(KEY_PATH_LEN):
+            k = jax.random.fold_in(k, path[j])
+        return jax.random.fold_in(k, i)
+
+    return jax.vmap(one)(key_path, step)
+
+
+def _choose_rows(logits, allowed, keys, temperature, top_p, static: _Static):
+    """``choose_tokens`` with one key per row (greedy needs none and runs batched)."""
+    if static.greedy:
+        return choose_tokens(logits, allowed, keys[0], temperature, top_p, greedy=True, top_k=0,
+                             use_top_p=False)
+
+    def one(lg, al, k):
+        tok, lp = choose_tokens(lg[None], al[None], k, temperature, top_p, greedy=False,
+                                top_k=static.top_k, use_top_p=static.use_top_p)
+        return tok[0], lp[0]
+
+    return jax.vmap(one)(logits, allowed, keys)
+
+
+class SlotSampler:
+    """The insert and decode programs of ``S`` slots for the model of ``sampler`` (its graph, special
+    ids, prompt buckets, mesh and parameter shardings); see the module docstring."""
+
+    def __init__(self, sampler: Sampler, *, slots: int, max_new_tokens: int, chunk: int,
+                 unique_buckets: Sequence[int] | None = None):
+        if slots < 1 or chunk < 1 or max_new_tokens < 1:
+            raise ValueError(f"slots, chunk and max_new_tokens must be positive, got {slots}, {chunk}, "
+                             f"{max_new_tokens}")
+        mesh = sampler.mesh
+        if mesh is not None:
+            ways = mesh.shape["data"] * mesh.shape["fsdp"]
+            if slots % ways:
+                raise ValueError(f"engine slots ({slots}) must be a multiple of the mesh's data x fsdp "
+                                 f"ways ({ways}) so that slots shard with the rows")
+        self.sampler = sampler
+        self.num_slots = int(slots)
+        self.max_new_tokens = int(max_new_tokens)
+        self.chunk = int(chunk)
+        self.max_len = sampler.prompt_buckets[-1] + self.max_new_tokens
+        pow2 = []
+        b = 1
+        while b < self.num_slots:
+            pow2.append(b)
+            b *= 2
+        self.row_buckets = tuple(sorted({*(unique_buckets or pow2), self.num_slots}))
+        self.compile_count = 0
+        self._inserts: dict[_Static, Callable] = {}
+        self._decodes: dict[tuple[_Static, int], Callable] = {}
+        self._empty: dict[int, Callable] = {}
+
+    # ------------------------------------------------------------------------------------ state
+    def _mesh_context(self):
+        mesh = self.sampler.mesh
+        return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+    def _shardings(self, num_states: int) -> Any:
+        mesh = self.sampler.mesh
+        if mesh is None:
+            return None
+        from mage_jax.models.sharding import batch_sharding, cache_sharding
+
+        rows = batch_sharding(mesh)
+        cache = cache_sharding(self.sampler.config, mesh, self.num_slots)
+        example = jax.eval_shape(lambda: self._zeros(num_states))
+        return dataclasses.replace(
+            jax.tree.map(lambda _: rows, example),
+            cache=jax.tree.map(lambda _: cache, example.cache),
+        )
+
+    def _zeros(self, num_states: int) -> Slots:
+        s, n = self.num_slots, self.max_new_tokens
+        sampler = self.sampler
+        zeros = functools.partial(jnp.zeros, (s,), jnp.int32)
+        return Slots(
+            cache=init_cache(sampler.config, s, self.max_len, sampler.cache_dtype),
+            last=zeros(), write=zeros(), position=zeros(), kv_start=zeros(), length=zeros(),
+            limit=zeros(), done=jnp.ones((s,), bool), finished=jnp.zeros((s,), bool), auto=zeros(),
+            transitions=jnp.zeros((s, num_states, sampler.vocab_size), jnp.int32),
+            key_path=jnp.zeros((s, KEY_PATH_LEN), jnp.int32),
+            tokens=jnp.full((s, n), sampler.pad_id, jnp.int32),
+            logprobs=jnp.zeros((s, n), jnp.float32),
+            prompt_hidden=jnp.zeros((s, sampler.config.hidden_size), sampler.config.jnp_dtype),
+        )
+
+    def empty(self, num_states: int = 1) -> Slots:
+        """``S`` free slots (every slot done), sharded over the mesh's batch axes with the rows."""
+        fn = self._empty.get(num_states)
+        if fn is None:
+            fn = jax.jit(functools.partial(self._zeros, num_states),
+                         out_shardings=self._shardings(num_states))
+            self._empty[num_states] = fn
+        return fn()
+
+    def grow_states(self, slots: Slots, num_states: int) -> Slots:
+        """The same slots with automaton tables padded to ``num_states`` states (disallow-all rows)."""
+        extra = num_states - slots.num_states
+        if extra <= 0:
+            return slots
+        table = jnp.pad(slots.transitions, ((0, 0), (0, extra), (0, 0)), constant_values=-1)
+        return dataclasses.replace(slots, transitions=table)
+
+    # ----------------------------------------------------------------------------------- insert
+    def insert(self, state: Any, slots: Slots, prompts: Sequence[Sequence[int]], source: Sequence[int],
+               targets: Sequence[int], limits: Sequence[int], transitions: np.ndarray,
+               key_paths: np.ndarray, params: SamplingParams, key: jax.Array,
+               donors: Sequence[Donor | None] | None = None) -> Slots:
+        """Prefill the distinct ``prompts`` once and start request t in slot ``targets[t]`` from prompt
+        ``source[t]`` (``limits[t]`` new tokens, automaton ``transitions[t]``, key path ``key_paths[t]``).
+
+        ``donors[t]``, when given, is a slot that already holds request t's prompt (same tokens): its
+        keys and values are copied instead (``source[t]`` is then ignored, and ``prompts`` may be empty)."""
+        sampler = self.sampler
+        donors = list(donors) if donors is not None else [None] * len(targets)
+        u, t = len(prompts), len(targets)
+        if not (0 <= u <= t <= self.num_slots and t > 0 and len(donors) == t):
+            raise ValueError(f"an insert needs 0 <= prompts ({u}) <= targets ({t}) <= slots, one donor each")
+        if any(d is None for d in donors) and u == 0:
+            raise ValueError("a target without a donor needs a prompt to prefill")
+        lengths = [len(p) for p in prompts]
+        if u and (max(lengths) > sampler.prompt_buckets[-1] or min(lengths) == 0):
+            raise ValueError(f"prompts must have 1..{sampler.prompt_buckets[-1]} tokens")
+        p_bucket = self.prompt_bucket(prompts, donors)
+        t_bucket = _bucket(t, self.row_buckets)
+        u_bucket = min(_bucket(u, self.row_buckets), t_bucket)
+        u_bucket = max(u_bucket, 1)
+        tokens = np.full((u_bucket, p_bucket), sampler.pad_id, np.int32)
+        valid = np.zeros((u_bucket, p_bucket), bool)
+        for row, prompt in enumerate(prompts):
+            ids = np.asarray(prompt, np.int64)
+            if ids.min() < 0 or ids.max() >= sampler.vocab_size:
+                raise ValueError(f"prompt token ids must be in [0, {sampler.vocab_size})")
+            tokens[row, p_bucket - len(ids):] = ids
+            valid[row, p_bucket - len(ids):] = True
+        valid[u:, -1] = True  # dummy prompts: one real token, so their (discarded) prefill stays finite
+        src = np.zeros(t_bucket, np.int32)
+        donor = np.full(t_bucket, -1, np.int32)  # -1: from the prefill
+        base = np.full(t_bucket, p_bucket, np.int32)  # the cache position of the first decode step
+        lens = np.ones(t_bucket, np.int32)
+        for i, d in enumerate(donors):
+            if d is None:
+                src[i] = source[i]
+                lens[i] = len(prompts[source[i]])
+            else:
+                donor[i], base[i], lens[i] = d.slot, d.bucket, d.length
+        dst = np.full(t_bucket, self.num_slots, np.int32)  # out of range: dropped by the scatters
+        dst[:t] = targets
+        lim = np.zeros(t_bucket, np.int32)
+        lim[:t] = np.minimum(np.asarray(limits), self.max_new_tokens)
+        table = np.full((t_bucket, slots.num_states, sampler.vocab_size), -1, np.int32)
+        table[:t] = transitions
+        paths = np.zeros((t_bucket, KEY_PATH_LEN), np.int32)
+        paths[:t] = key_paths
+        static = _static(params, sampler.vocab_size)
+        fn = self._inserts.get(static)
+        if fn is None:
+            fn = self._inserts[static] = self._build_insert(static)
+        temperature, top_p = _runtime(params)
+        with self._mesh_context():
+            return fn(state, slots, tokens, valid, src, donor, base, lens, dst, lim, table, paths, key,
+                      temperature, top_p)
+
+    def prompt_bucket(self, prompts: Sequence[Sequence[int]], donors: Sequence[Donor | None]) -> int:
+        """The prompt bucket of an insert: it holds the longest prompt and every donor's bucket."""
+        longest = max([len(p) for p in prompts] + [d.bucket for d in donors if d is not None])
+        return _bucket(longest, self.sampler.prompt_buckets)
+
+    def _build_insert(self, static: _Static) -> Callable:
+        sampler = self.sampler
+        graphdef, config, pad_id = sampler.graphdef, sampler.config, sampler.pad_id
+        eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
+
+        def run(state, slots: Slots, tokens, valid, src, donor, base, prompt_lens, dst, limits, table, paths,
+                key, temperature, top_p) -> Slots:
+            self.compile_count += 1  # runs once per trace
+            model = nnx.merge(graphdef, state)
+            rows, p = tokens.shape
+            temp = init_cache(config, rows, p, sampler.cache_dtype)
+            positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0).astype(jnp.int32)
+            hidden, temp = model(tokens, positions, valid, temp, jnp.int32(0))
+            copied = donor >= 0
+            from_slot = jnp.maximum(donor, 0)
+            last_hidden = jnp.where(copied[:, None], slots.prompt_hidden[from_slot], hidden[:, -1, :][src])
+            logits = model.logits(last_hidden[:, None, :])[:, 0]  # [T, V]
+            zeros = jnp.zeros(src.shape, jnp.int32)
+            allowed, nxt = allowed_tokens(table, zeros)
+            choice_keys = row_keys(key, paths, zeros)
+            token, logp = _choose_rows(logits, allowed, choice_keys, temperature, top_p, static)
+            done0 = limits <= 0
+            token = jnp.where(done0, pad_id, token)
+            logp = jnp.where(done0, 0.0, logp)
+            auto = jnp.take_along_axis(nxt, token[:, None], axis=1)[:, 0]
+            hit = (token[:, None] == eos_ids[None, :]).any(axis=-1) & ~done0
+            length = jnp.where(done0, 0, 1).astype(jnp.int32)
+            n = slots.tokens.shape[1]
+            row_tokens = jnp.full((src.shape[0], n), pad_id, jnp.int32).at[:, 0].set(token)
+            row_logps = jnp.zeros((src.shape[0], n), jnp.float32).at[:, 0].set(logp)
+
+            def put(array, value):
+                return array.at[dst].set(value, mode="drop")
+
+            def keys_of(c, x):  # [T, Hkv, D, P]: the donor slot's first P positions, or the prefill's
+                return jnp.where(copied[:, None, None, None], c[from_slot, :, :, :p], x[src])
+
+            def values_of(c, x):
+                return jnp.where(copied[:, None, None, None], c[from_slot, :, :p, :], x[src])
+
+            cache = KVCache(
+                k=tuple(c.at[dst, :, :, :p].set(keys_of(c, x), mode="drop")
+                        for c, x in zip(slots.cache.k, temp.k)),
+                v=tuple(c.at[dst, :, :p, :].set(values_of(c, x), mode="drop")
+                        for c, x in zip(slots.cache.v, temp.v)),
+            )
+            return Slots(
+                cache=cache,
+                last=put(slots.last, token),
+                write=put(slots.write, base),
+                position=put(slots.position, prompt_lens),
+                kv_start=put(slots.kv_start, base - prompt_lens),
+                length=put(slots.length, length),
+                limit=put(slots.limit, limits),
+                done=put(slots.done, done0 | hit | (length >= limits)),
+                finished=put(slots.finished, hit),
+                auto=put(slots.auto, auto),
+                transitions=put(slots.transitions, table),
+                key_path=put(slots.key_path, paths),
+                tokens=put(slots.tokens, row_tokens),
+                logprobs=put(slots.logprobs, row_logps),
+                prompt_hidden=put(slots.prompt_hidden, last_hidden),
+            )
+
+        return jax.jit(run, donate_argnums=(1,))
+
+    # ----------------------------------------------------------------------------------- decode
+    def window(self, furthest_write: int) -> int:
+        """The cache prefix a decode chunk attends over: the smallest window (a power of two from 64, or
+        the whole cache) that holds ``furthest_write + chunk`` positions. Decode attention costs in
+        proportion to it, and most rows are far shorter than the largest prompt bucket plus the longest
+        response the cache is sized for."""
+        need = furthest_write + self.chunk
+        w = 64
+        while w < need:
+            w *= 2
+        return min(w, self.max_len)
+
+    def decode(self, state: Any, slots: Slots, params: SamplingParams, key: jax.Array,
+               window: int | None = None) -> tuple[Slots, jax.Array]:
+        """Up to ``chunk`` steps of every slot (fewer when all are done); returns (slots, steps run).
+
+        ``window``: attend over the first ``window`` cache positions only (``window(furthest write)``);
+        every active slot's writes of this chunk must fall inside it. None: the whole cache."""
+        static = _static(params, self.sampler.vocab_size)
+        window = self.max_len if window is None else int(window)
+        fn = self._decodes.get((static, window))
+        if fn is None:
+            fn = self._decodes[static, window] = self._build_decode(static, window)
+        temperature, top_p = _runtime(params)
+        with self._mesh_context():
+            return fn(state, slots, key, temperature, top_p)
+
+    def _build_decode(self, static: _Static, window: int) -> Callable:
+        sampler = self.sampler
+        graphdef, pad_id, chunk = sampler.graphdef, sampler.pad_id, self.chunk
+        eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
+
+        def run(state, slots: Slots, key, temperature, top_p):
+            self.compile_count += 1
+            model = nnx.merge(graphdef, state)
+            n = slots.tokens.shape[1]
+            rows = jnp.arange(slots.num_slots)
+
+            def cond(carry):
+                step, s = carry
+                return (step < chunk) & ~s.done.all()
+
+            def body(carry):
+                step, s = carry
+                # Finished and free slots write past the cache (dropped): a slot that holds a prompt
+                # other requests copy stays intact, and any window is safe for them.
+                write = jnp.where(s.done, _NOWHERE, s.write)
+                hidden, cache = model(s.last[:, None], s.position[:, None], cache=s.cache,
+                                      cache_index=write, kv_start=s.kv_start)
+                logits = model.logits(hidden)[:, 0]
+                allowed, nxt = allowed_tokens(s.transitions, s.auto)
+                token, logp = _choose_rows(logits, allowed, row_keys(key, s.key_path, s.length),
+                                           temperature, top_p, static)
+                active = ~s.done
+                token = jnp.where(active, token, pad_id)
+                logp = jnp.where(active, logp, 0.0)
+                auto = jnp.where(active, jnp.take_along_axis(nxt, token[:, None], axis=1)[:, 0], s.auto)
+                hit = (token[:, None] == eos_ids[None, :]).any(axis=-1) & active
+                column = jnp.where(active, s.length, n)  # done slots write out of range: dropped
+                length = s.length + active.astype(jnp.int32)
+                step_up = active.astype(jnp.int32)
+                s = dataclasses.replace(
+                    s, cache=cache, last=jnp.where(active, token, s.last), write=s.write + step_up,
+                    position=s.position + step_up, length=length,
+                    done=s.done | hit | (length >= s.limit), finished=s.finished | hit, auto=auto,
+                    tokens=s.tokens.at[rows, column].set(token, mode="drop"),
+                    logprobs=s.logprobs.at[rows, column].set(logp, mode="drop"),
+                )
+                return step + 1, s
+
+            full = slots.cache
+            if window < full.max_len:  # a copy of the window in, written back after the chunk
+                slots = dataclasses.replace(slots, cache=KVCache(
+                    k=tuple(c[:, :, :, :window] for c in full.k),
+                    v=tuple(c[:, :, :window, :] for c in full.v)))
+            steps, slots = jax.lax.while_loop(cond, body, (jnp.int32(0), slots))
+            if window < full.max_len:
+                zero = (0, 0, 0, 0)
+                slots = dataclasses.replace(slots, cache=KVCache(
+                    k=tuple(jax.lax.dynamic_update_slice(f, c, zero) for f, c in zip(full.k, slots.cache.k)),
+                    v=tuple(jax.lax.dynamic_update_slice(f, c, zero) for f, c in zip(full.v, slots.cache.v))))
+            return slots, steps
+
+        return jax.jit(run, donate_argnums=(1,))
+
+
+def _runtime(params: SamplingParams) -> tuple[np.float32, np.float32]:
+    return np.float32(params.temperature if params.temperature > 0 else 1.0), np.float32(params.top_p)
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1]

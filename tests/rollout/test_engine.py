@@ -1,0 +1,255 @@
+"""Specification of the rollout engine (mage_jax.rollout.engine, mage_jax.slot_sampler): continuous
+batching changes how generations are scheduled, never what a meta-episode sees. With greedy decoding the
+engine gives the lockstep path's tokens, rows, row order, outcomes and metrics on every built-in
+environment; identical prompts are prefilled once; nothing recompiles once warm."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments.environments import ENVIRONMENTS, environment
+from mage_jax import config as C
+from mage_jax.constraints import automaton_from_completions
+from mage_jax.envs.alfworld import write_tiny_alfred_game
+from mage_jax.models.config import ModelConfig
+from mage_jax.models.transformer import Transformer
+from mage_jax.rollout.engine import EngineRequest, RolloutEngine, generate_all
+from mage_jax.rollout.policy import LLMPolicy
+from mage_jax.sampling import Sampler, SamplingParams
+from mage_jax.training.assemble import build_parts, make_engine
+from tests.tiny_models import SMALLEST_DECODER
+
+TIMING = {"rollout_seconds"}
+
+
+@pytest.fixture(scope="module")
+def alfworld_data(tmp_path_factory):
+    """One tiny ALFWorld PDDL game in every split (the real TextWorld engine plays it)."""
+    root = tmp_path_factory.mktemp("alfworld")
+    for split in ("train", "valid_seen", "valid_unseen"):
+        game = root / "json_2.1.1" / split / "pick_and_place_simple-Apple-None-Fridge-1" / "trial_T1"
+        write_tiny_alfred_game(game)
+    return str(root)
+
+
+def tiny_config(env: str, data_dir: str | None = None, **rollout):
+    overrides = {
+        **({"env.data_dir": data_dir} if data_dir else {}),
+        "rollout.num_tasks": 2, "rollout.group_size": 2, "rollout.num_episodes": 2, "rollout.max_turns": 3,
+        "rollout.max_response_tokens": 12, "rollout.max_reflection_tokens": 10,
+        "model.overrides": SMALLEST_DECODER, "tokenizer.corpus_meta_episodes": 8,
+        "train.eval_meta_episodes": 4,
+        "train.eval_heldout_meta_episodes": 4, "rollout.engine_slots": 3, "rollout.engine_chunk": 4,
+        **{f"rollout.{k}": v for k, v in rollout.items()},
+    }
+    return environment(env).config("tiny", overrides)
+
+
+def greedy_policy(parts, engine):
+    r = parts.cfg.rollout
+    longest = max(r.max_response_tokens, r.max_reflection_tokens)
+    params = SamplingParams(temperature=0.0, max_new_tokens=longest)
+    return LLMPolicy(parts.tokenizer, parts.sampler, parts.init_params, params, jax.random.key(0),
+                     max_prompt_tokens=r.max_prompt_tokens, engine=engine)
+
+
+def rollout(parts, engine):
+    tasks = parts.task_sampler.sample_train(0)
+    return parts.train_runner.run(tasks, greedy_policy(parts, engine), training=True)
+
+
+def assert_same_rollout(a, b):
+    assert len(a.rows) == len(b.rows) > 0
+    for ra, rb in zip(a.rows, b.rows):
+        for field in dataclasses.fields(ra):
+            va, vb = getattr(ra, field.name), getattr(rb, field.name)
+            if field.name == "logprobs":
+                np.testing.assert_allclose(va, vb, atol=1e-5)
+            elif isinstance(va, np.ndarray):
+                np.testing.assert_array_equal(va, vb)
+            elif field.name != "constraint":
+                assert va == vb, field.name
+    assert [o.to_dict() for o in a.outcomes] == [o.to_dict() for o in b.outcomes]
+    stats_a = {k: v for k, v in a.stats.items() if k not in TIMING}
+    stats_b = {k: v for k, v in b.stats.items() if k not in TIMING}
+    assert stats_a == stats_b
+
+
+@pytest.mark.parametrize("env", sorted(ENVIRONMENTS))
+def test_greedy_engine_rollout_equals_the_lockstep_rollout_on_every_environment(env, tmp_path, request):
+    data = request.getfixturevalue("alfworld_data") if env == "alfworld" else None
+    parts = build_parts(tiny_config(env, data), str(tmp_path))
+    assert parts.engine is not None  # the engine is the default
+    lockstep = rollout(parts, None)
+    engine = rollout(parts, parts.engine)
+    assert_same_rollout(lockstep, engine)
+    # Responses of different lengths finished out of order: the engine really interleaved turns.
+    assert lockstep.stats["rows"] > parts.engine.num_slots
+
+
+# ------------------------------------------------------------------------------------ engine alone
+VOCAB, EOS, PAD = 64, 3, 0
+
+
+@pytest.fixture(scope="module")
+def tiny_sampler():
+    config = ModelConfig.preset("tiny", vocab_size=VOCAB, num_layers=2, hidden_size=64, intermediate_size=128)
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    sampler = Sampler(graphdef, config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(8, 16), batch_buckets=(8,))
+    return sampler, state
+
+
+def requests_of(prompts, limits, automata):
+    return [EngineRequest(i, tuple(p), limits[i], automata[i], (i, 7, 1)) for i, p in enumerate(prompts)]
+
+
+def mixed_batch():
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, VOCAB, size=int(rng.integers(1, 16))).tolist() for _ in range(8)]
+    prompts[3] = prompts[1]  # enters with its twin: prefilled once
+    prompts[7] = prompts[0]  # enters after its twin started: copied from its slot
+    limits = [11, 6, 4, 8, 0, 3, 3, 9]
+    auto = automaton_from_completions([[10, 11], [12]], VOCAB, EOS)
+    automata = [None, auto, None, auto, None, None, auto, None]
+    return prompts, limits, automata
+
+
+def test_greedy_engine_gives_the_lockstep_samplers_tokens_and_logprobs(tiny_sampler):
+    sampler, state = tiny_sampler
+    prompts, limits, automata = mixed_batch()
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    ref = sampler.generate(state, prompts, params, jax.random.key(0), constraints=automata,
+                           max_new_tokens_per_row=np.asarray(limits))
+    engine = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=3)
+    session = engine.session(state, params, jax.random.key(0))
+    out = generate_all(session, requests_of(prompts, limits, automata))
+    for i in range(len(prompts)):
+        np.testing.assert_array_equal(out[i].tokens, ref.tokens[i])
+        np.testing.assert_allclose(out[i].logprobs, ref.logprobs[i], atol=1e-5)
+        assert out[i].finished == ref.finished[i]
+    assert [len(out[i].tokens) for i in (1, 3, 6)] and out[4].tokens.size == 0
+    # 8 requests, 6 distinct prompts: the twins of prompts 1 and 0 were not prefilled again.
+    assert session.stats.requests == 8 and session.stats.prefill_rows == 6
+    assert session.stats.prefill_tokens == sum(len(p) for i, p in enumerate(prompts) if i not in (3, 7))
+    assert 0 < session.stats.useful_decode_fraction <= 1
+
+
+def test_sampled_responses_do_not_depend_on_slots_order_or_company(tiny_sampler):
+    sampler, state = tiny_sampler
+    prompts, limits, automata = mixed_batch()
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    requests = requests_of(prompts, limits, automata)
+    runs = []
+    for slots, order in ((3, requests), (8, requests[::-1]), (2, requests[2:5])):
+        engine = RolloutEngine(sampler, slots=slots, max_new_tokens=12, chunk=2)
+        runs.append(generate_all(engine.session(state, params, jax.random.key(5)), order))
+    for tag, result in runs[2].items():
+        for other in runs[:2]:
+            np.testing.assert_array_equal(other[tag].tokens, result.tokens)
+            np.testing.assert_allclose(other[tag].logprobs, result.logprobs, atol=1e-5)
+    # Another key, other tokens: the draws are random, not fixed.
+    engine = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=2)
+    again = generate_all(engine.session(state, params, jax.random.key(6)), requests)
+    assert any(not np.array_equal(again[t].tokens, runs[0][t].tokens) for t in again)
+
+
+def test_nothing_recompiles_once_warm(tiny_sampler):
+    sampler, state = tiny_sampler
+    prompts, limits, automata = mixed_batch()
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    engine = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=3)
+    generate_all(engine.session(state, params, jax.random.key(0)), requests_of(prompts, limits, automata))
+    warm = engine.compile_count
+    assert warm > 0
+    generate_all(engine.session(state, params, jax.random.key(1)), requests_of(prompts, limits, automata))
+    assert engine.compile_count == warm
+
+
+def test_bad_requests_are_one_clear_error(tiny_sampler):
+    sampler, state = tiny_sampler
+    engine = RolloutEngine(sampler, slots=2, max_new_tokens=4)
+    session = engine.session(state, SamplingParams(max_new_tokens=4), jax.random.key(0))
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        session.submit(EngineRequest(0, (), 4, None, (0, 0, 0)))
+    with pytest.raises(ValueError, match="key_path"):
+        session.submit(EngineRequest(0, (5,), 4, None, (0, -1, 0)))
+    with pytest.raises(ValueError, match="exceeds"):
+        engine.session(state, SamplingParams(max_new_tokens=5), jax.random.key(0))
+
+
+# ------------------------------------------------------------------------------------ sharded slots
+_SHARDED = textwrap.dedent(
+    """
+    import json
+    import jax, numpy as np
+    from flax import nnx
+    from mage_jax.models.config import ModelConfig
+    from mage_jax.models.sharding import MeshConfig, make_mesh, shard_state
+    from mage_jax.models.transformer import Transformer
+    from mage_jax.rollout.engine import EngineRequest, RolloutEngine, generate_all
+    from mage_jax.sampling import Sampler, SamplingParams
+
+    config = ModelConfig.preset("tiny", vocab_size=64, num_layers=2, hidden_size=64, intermediate_size=128)
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    requests = [EngineRequest(i, tuple(range(4 + i, 9 + 2 * i)), 6, None, (i, 0, 0)) for i in range(12)]
+    out = {}
+    for name, mesh in (("one", None), ("data2_fsdp4", make_mesh(MeshConfig(data=2, fsdp=4, tensor=1)))):
+        placed = state if mesh is None else shard_state(state, mesh)
+        sampler = Sampler(graphdef, config, eos_ids=[3], pad_id=0, prompt_buckets=(16,), batch_buckets=(8,),
+                          mesh=mesh)
+        engine = RolloutEngine(sampler, slots=8, max_new_tokens=6, chunk=2)
+        session = engine.session(placed, params, jax.random.key(0))
+        results = generate_all(session, requests)
+        k = session.slots.cache.k[0]
+        out[name] = {
+            "tokens": [results[i].tokens.tolist() for i in range(12)],
+            "cache_bytes": [k.nbytes, max(s.data.nbytes for s in k.addressable_shards)],
+            "cache_devices": len({s.device for s in k.addressable_shards}),
+            "slot_bytes": [session.slots.tokens.nbytes,
+                           max(s.data.nbytes for s in session.slots.tokens.addressable_shards)],
+        }
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_slots_and_their_cache_shard_over_the_mesh_batch_axes_on_8_devices():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    one, sharded = result["one"], result["data2_fsdp4"]
+    assert sharded["tokens"] == one["tokens"]
+    total, per_device = sharded["cache_bytes"]
+    assert total == one["cache_bytes"][0] and per_device * 8 == total  # 8 slots, one per device
+    assert sharded["cache_devices"] == 8
+    assert sharded["slot_bytes"][1] * 8 == sharded["slot_bytes"][0]
+    assert one["cache_bytes"][1] == one["cache_bytes"][0]
+
+
+# ------------------------------------------------------------------------------------ the switch
+def test_engine_is_the_default_and_lockstep_is_a_switch(tiny_sampler):
+    sampler, _ = tiny_sampler
+    default = environment("kuhn_poker").config("tiny")
+    assert default.rollout.engine == "continuous" and default.rollout.engine_slots == 0
+    engine = make_engine(default, sampler, rows=100, batch_axis=8)
+    assert engine is not None and engine.num_slots == 64  # min(rows, 64), a multiple of the batch ways
+    fixed = make_engine(tiny_config("kuhn_poker", engine_slots=5), sampler, rows=100, batch_axis=4)
+    assert fixed.num_slots == 8
+    assert make_engine(tiny_config("kuhn_poker", engine="lockstep"), sampler, rows=100, batch_axis=1) is None
+    with pytest.raises(C.ConfigError, match="rollout.engine"):
+        tiny_config("kuhn_poker", engine="fast")
+    with pytest.raises(C.ConfigError, match="rollout.engine_chunk"):
+        tiny_config("kuhn_poker", engine_chunk=0)
