@@ -55,15 +55,11 @@ class PaperSettings:
     eval_num_episodes: int = 3
     """Episodes per evaluation meta-episode: the paper reports ALFWorld up to the 10th attempt and
     WebShop by the 5th (spec section 2: evaluation may run more episodes than training)."""
-    micro_batch_rows: int = 8
-    """Not a paper setting: rows per gradient micro-batch, as small as ``experiments.plan`` needs for the
-    preset to fit ``PAPER_HARDWARE`` (1 row per device on 8 devices, 2 on 4)."""
 
 
 PAPER_SETTINGS: dict[str, PaperSettings] = {
     "kuhn_poker": PaperSettings(16, 8, 150, 6, 4096, 8192, True, 2.0, 2.0, 0.6),
-    # Tic-Tac-Toe's gradient program plans at 94.7 GB per chip on a v5p-8 with 8-row micro-batches.
-    "tic_tac_toe": PaperSettings(16, 8, 150, 8, 4096, 3072, True, 2.0, 0.5, 0.6, micro_batch_rows=4),
+    "tic_tac_toe": PaperSettings(16, 8, 150, 8, 4096, 3072, True, 2.0, 0.5, 0.6),
     "alfworld": PaperSettings(8, 8, 150, 10, 4096, 1024, False, 0.0, 0.5, 0.6, eval_num_episodes=10),
     "sokoban": PaperSettings(16, 8, 300, 7, 4096, 4096, False, 1.0, 0.5, 0.9),
     "webshop": PaperSettings(8, 8, 150, 12, 8192, 1024, False, 0.0, 0.5, 0.6, eval_num_episodes=5),
@@ -206,8 +202,8 @@ def paper_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
         "model.preset": "qwen3-4b",
         "model.dtype": "bfloat16",
         # Fits 8 x H100 80 GB and a TPU v5p-8 (4 chips of 95 GiB) by python -m experiments.plan: gradients
-        # accumulated over micro-batches (``PaperSettings.micro_batch_rows``), 64 rows decoded at once.
-        "optim.micro_batch_rows": p.micro_batch_rows,
+        # accumulated over 8-row micro-batches (1 row per device on 8, 2 on 4), 64 rows decoded at once.
+        "optim.micro_batch_rows": 8,
         "rollout.max_decode_rows": 64,
         "rollout.num_tasks": p.num_tasks,
         "rollout.group_size": p.group_size,
