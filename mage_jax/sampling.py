@@ -317,14 +317,8 @@ class Sampler:
     def _generate_chunk(self, state, prompts, limits, automata, prompt_bucket, params, key):
         n = len(prompts)
         batch = _bucket(n, self.batch_buckets)
-        tokens = np.full((batch, prompt_bucket), self.pad_id, np.int32)
-        valid = np.zeros((batch, prompt_bucket), bool)
-        for row, prompt in enumerate(prompts):
-            ids = np.asarray(prompt, np.int64)
-            if ids.min() < 0 or ids.max() >= self.vocab_size:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-            tokens[row, prompt_bucket - len(ids) :] = ids
-            valid[row, prompt_bucket - len(ids) :] = True
+        tokens, valid = left_padded(prompts, batch, prompt_bucket, pad_id=self.pad_id,
+                                    vocab_size=self.vocab_size)
         row_limits = np.zeros(batch, np.int32)  # dummy rows: limit 0, finished before the first step
         row_limits[:n] = limits
         transitions = None
@@ -495,6 +489,21 @@ class Sampler:
 
         call.lower = jitted.lower  # ahead-of-time compilation (memory analysis of a preset)
         return call
+
+
+def left_padded(prompts: Sequence[Sequence[int]], rows: int, length: int, *, pad_id: int,
+                vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, valid) int32 / bool [rows, length]: each prompt right-aligned (left padding, so every
+    row's next token is at the same column); rows past ``len(prompts)`` are all padding."""
+    tokens = np.full((rows, length), pad_id, np.int32)
+    valid = np.zeros((rows, length), bool)
+    for row, prompt in enumerate(prompts):
+        ids = np.asarray(prompt, np.int64)
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        tokens[row, length - len(ids):] = ids
+        valid[row, length - len(ids):] = True
+    return tokens, valid
 
 
 def _sorted_buckets(buckets: Sequence[int], name: str) -> tuple[int, ...]:

@@ -42,7 +42,7 @@ from flax import nnx
 
 from mage_jax.constraints import allowed_tokens
 from mage_jax.models.transformer import KVCache, init_cache
-from mage_jax.sampling import Sampler, SamplingParams, choose_tokens
+from mage_jax.sampling import Sampler, SamplingParams, choose_tokens, left_padded
 
 KEY_PATH_LEN = 3
 _NOWHERE = 2**30  # a cache position past any cache: the write is dropped
@@ -233,14 +233,8 @@ class SlotSampler:
         t_bucket = _bucket(t, self.row_buckets)
         u_bucket = min(_bucket(u, self.row_buckets), t_bucket)
         u_bucket = max(u_bucket, 1)
-        tokens = np.full((u_bucket, p_bucket), sampler.pad_id, np.int32)
-        valid = np.zeros((u_bucket, p_bucket), bool)
-        for row, prompt in enumerate(prompts):
-            ids = np.asarray(prompt, np.int64)
-            if ids.min() < 0 or ids.max() >= sampler.vocab_size:
-                raise ValueError(f"prompt token ids must be in [0, {sampler.vocab_size})")
-            tokens[row, p_bucket - len(ids):] = ids
-            valid[row, p_bucket - len(ids):] = True
+        tokens, valid = left_padded(prompts, u_bucket, p_bucket, pad_id=sampler.pad_id,
+                                    vocab_size=sampler.vocab_size)
         valid[u:, -1] = True  # dummy prompts: one real token, so their (discarded) prefill stays finite
         src = np.zeros(t_bucket, np.int32)
         donor = np.full(t_bucket, -1, np.int32)  # -1: from the prefill

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import numpy as np
@@ -240,15 +241,22 @@ def test_slots_and_their_cache_shard_over_the_mesh_batch_axes_on_8_devices():
 
 
 # ------------------------------------------------------------------------------------ the switch
+def mesh_of(**axes: int) -> types.SimpleNamespace:
+    """What ``make_engine`` reads of a mesh: its axis sizes."""
+    return types.SimpleNamespace(shape={"data": 1, "fsdp": 1, "tensor": 1, **axes})
+
+
 def test_engine_is_the_default_and_lockstep_is_a_switch(tiny_sampler):
     sampler, _ = tiny_sampler
     default = environment("kuhn_poker").config("tiny")
     assert default.rollout.engine == "continuous" and default.rollout.engine_slots == 0
-    engine = make_engine(default, sampler, rows=100, batch_axis=8)
-    assert engine is not None and engine.num_slots == 64  # min(rows, 64), a multiple of the batch ways
-    fixed = make_engine(tiny_config("kuhn_poker", engine_slots=5), sampler, rows=100, batch_axis=4)
-    assert fixed.num_slots == 8
-    assert make_engine(tiny_config("kuhn_poker", engine="lockstep"), sampler, rows=100, batch_axis=1) is None
+    engine = make_engine(default, sampler, mesh_of(data=1, fsdp=8))
+    assert engine is not None and engine.num_slots == 64  # min(largest rollout, 64)
+    capped = dataclasses.replace(default, rollout=dataclasses.replace(default.rollout, max_decode_rows=12))
+    assert make_engine(capped, sampler, mesh_of(data=2, fsdp=2)).num_slots == 12  # the sampler's cap
+    fixed = make_engine(tiny_config("kuhn_poker", engine_slots=5), sampler, mesh_of(data=1, fsdp=4))
+    assert fixed.num_slots == 8  # a multiple of the batch ways
+    assert make_engine(tiny_config("kuhn_poker", engine="lockstep"), sampler, mesh_of(data=1, fsdp=1)) is None
     with pytest.raises(C.ConfigError, match="rollout.engine"):
         tiny_config("kuhn_poker", engine="fast")
     with pytest.raises(C.ConfigError, match="rollout.engine_chunk"):
