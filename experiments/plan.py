@@ -176,7 +176,7 @@ def make_setup(cfg: C.ExperimentConfig, devices: int, *, num_layers: int | None 
         model_config = dataclasses.replace(model_config, num_layers=num_layers)
     graphdef, params = shd.abstract_sharded(model_config, mesh)
     step = assemble.make_train_step(cfg, graphdef, mesh)
-    opt_state = jax.eval_shape(step.optimizer.init, params)
+    opt_state = jax.eval_shape(step.optimizer.init, step.trainable(params)[0])  # LoRA: the adapters only
     opt_shardings = shd.opt_state_shardings(opt_state, mesh)
     opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_state,
                              opt_shardings)
