@@ -33,7 +33,7 @@ JSON keys (``--json``), all bytes per device:
   env, preset, layers_compiled, full_depth, model (name, params: parameter count, param_dtype, dtype,
   remat, attention), usable_fraction;
   plans: one per device count, each with devices, mesh {data, fsdp, tensor},
-    state {params, opt_state, ref_params, total}: the resident state,
+    state {params, opt_state, ref_params, start_copy, total}: the resident state,
     kv_cache: the rollout's KV cache,
     programs {train_grads, train_apply, logprobs, rollout}: each {rows, length, prompt, new_tokens,
       argument, output, alias, temp, peak (= argument + output - alias + temp), state_arguments,
@@ -380,8 +380,11 @@ def plan_devices(cfg: C.ExperimentConfig, devices: int, *, layers: Sequence[int]
     lo, hi = depths[0], depths[-1]
     params = device_bytes(full.params)
     opt_state = device_bytes(full.opt_state)
-    ref = params if cfg.optim.kl_coef > 0 else 0
-    state = {"params": params, "opt_state": opt_state, "ref_params": ref, "total": params + opt_state + ref}
+    ref = params if cfg.optim.kl_coef > 0 and not cfg.model.lora_rank else 0  # LoRA: the base, no copy
+    # checkpoint.stop_during_updates keeps the state an iteration started from beside the updated one.
+    kept = params + opt_state if cfg.checkpoint.stop_during_updates else 0
+    state = {"params": params, "opt_state": opt_state, "ref_params": ref, "start_copy": kept,
+             "total": params + opt_state + ref + kept}
     rows, length = cfg.optim.mini_batch_rows, _longest_row(cfg)
     r_rows, prompt, new_tokens = rollout_shape(full)
     shapes = {
