@@ -173,10 +173,10 @@ def small_lora_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
     evaluation split: a 4.7 GB KV cache), the update runs 2-row micro-batches with every block
     rematerialised, log-probs are computed 128 tokens at a time (the [rows, chunk, vocab] logits
     block), and the learning rate is the usual LoRA one (1e-5, ten times the full fine-tuning rate).
-    Memory per program, measured ahead of time (``python -m experiments.benchmarks.lora_memory
-    --layers 3 4``, XLA:CPU, extrapolated to 28 layers): peak 13.7 GB per device in the sampler
-    (4.7 GB of KV cache), 11.4 GB in the train step, within the 15 GB a T4 leaves to XLA with
-    ``XLA_PYTHON_CLIENT_MEM_FRACTION=.95`` (the default .75 leaves 12 GB).
+    Its plan (``python -m experiments.plan --env kuhn_poker --preset small-lora``, XLA:CPU ahead of time,
+    extrapolated to 28 layers, with ``small``'s 8 decoded rows) needs 8.4 GB per device at its largest
+    program (the rollout), within the 14.4 GB the plan allows a 16 GB T4 and the 12 GB XLA takes by
+    default (``XLA_PYTHON_CLIENT_MEM_FRACTION=.75``).
     """
     return {
         **small_overrides(env, **kwargs),
