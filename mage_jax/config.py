@@ -178,7 +178,8 @@ class RolloutConfig:
     ``continuous`` (the rollout engine: decode slots, a meta-episode's next prompt starts as soon as its
     response is back, identical prompts prefilled once) or ``lockstep`` (one batched call per turn)."""
     engine_slots: int = 0
-    """Concurrent decode slots of the engine; 0: min(rows, 64), rounded up to the mesh's batch ways."""
+    """Concurrent decode slots of the engine; 0: the largest rollout capped at ``max_decode_rows``, at
+    most 64; always rounded up to the mesh's batch ways."""
     engine_chunk: int = 8
     """Decode steps between the engine's host checks (a finished row waits at most this many steps)."""
 
