@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from mage_jax.constraints import TokenAutomaton, stack_automata
+from mage_jax.models.sharding import to_host
 from mage_jax.sampling import Sampler, SamplingParams
 from mage_jax.slot_sampler import KEY_PATH_LEN, Donor, Slots, SlotSampler
 
@@ -146,22 +147,23 @@ class EngineSession:
         self._fill()
         if not self.running:
             return []
-        done = np.asarray(self.slots.done)
+        done = to_host(self.slots.done)
         decoding = [s for s in self.running if not done[s]]
         if decoding:
-            furthest = int(np.asarray(self.slots.write)[decoding].max())
+            furthest = int(to_host(self.slots.write)[decoding].max())
             self.slots, steps = self.kernels.decode(self.state, self.slots, self.params, self.key,
                                                     self.kernels.window(furthest))
             steps = int(steps)
             self.stats.decode_steps += steps
             self.stats.decode_row_steps += steps * self.kernels.num_slots
-            done = np.asarray(self.slots.done)
+            done = to_host(self.slots.done)
         ended = sorted(s for s in self.running if done[s])
         if not ended:
             return []
-        # Whole arrays come back (one shape, no gather program per count of finished slots).
-        lengths, finished = np.asarray(self.slots.length), np.asarray(self.slots.finished)
-        tokens, logprobs = np.asarray(self.slots.tokens), np.asarray(self.slots.logprobs)
+        # Whole arrays come back (one shape, no gather program per count of finished slots); with several
+        # processes every one gathers the slots of the others (to_host), so all take the same decisions.
+        lengths, finished = to_host(self.slots.length), to_host(self.slots.finished)
+        tokens, logprobs = to_host(self.slots.tokens), to_host(self.slots.logprobs)
         out = []
         for s in ended:
             n = int(lengths[s])
