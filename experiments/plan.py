@@ -66,7 +66,7 @@ EXIT_CONFIG_ERROR = 2
 USABLE_FRACTION = 0.9
 """Share of a device's memory a plan may use: the rest is the runtime's (CUDA context, fragmentation).
 On GPUs JAX preallocates 75% unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is raised (docs/scaling.md)."""
-DEFAULT_LAYERS = (3, 4)
+DEFAULT_LAYERS = (3, 6)
 CHILD_ENV = "MAGE_PLAN_FAKE_DEVICES"
 
 
