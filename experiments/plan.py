@@ -19,15 +19,17 @@ with the KL term, the frozen reference parameters. A program needs the resident 
 adds beyond its state arguments (peak - state arguments); the plan's ``peak`` is the largest of these.
 A preset fits a device when that peak is below ``USABLE_FRACTION`` of its memory.
 
-Each program is compiled at two depths (``--layers``, default 3 and 4) and extrapolated linearly to the
-model's depth, bytes(L) = bytes(4) + (L - 4) x (bytes(4) - bytes(3)): every decoder block adds the same
-parameters, optimizer state, KV cache and (one block at a time under remat) activations. The first
-blocks are not typical (XLA keeps more alive from depth 2 to 3 than from 3 to 4), so the two depths
-are 3 and 4. XLA:CPU computes bfloat16 products in float32 and has no flash-attention kernel, so the
-numbers are an upper bound of what a GPU or TPU compile reports. FLOPs are XLA's cost analysis per
-device; a ``while`` loop body (the sampler's decode step) is counted once. A from-scratch model
-(``tiny``) is planned with a 256-token vocabulary (its word-level tokenizer is built at run time); the
-rollout is planned without constrained decoding (its automaton tables are small).
+Each program is compiled at two depths (``--layers``, default 3 and 6) and extrapolated linearly to the
+model's depth, bytes(L) = bytes(6) + (L - 6) x (bytes(6) - bytes(3)) / 3: every decoder block adds the
+same parameters, optimizer state, KV cache and (one block at a time under remat) activations. Single
+steps of depth are not XLA's linear regime (its memory schedule moves by a block's worth from one depth
+to the next), so the slope is taken over three blocks; on Kuhn Poker ``small`` the plan then equals a
+full 28-layer compile for every program (docs/scaling.md). XLA:CPU computes bfloat16 products in float32
+and has no flash-attention kernel, so the numbers are an upper bound of what a GPU or TPU compile
+reports. FLOPs are XLA's cost analysis per device; a ``while`` loop body (the sampler's decode step) is
+counted once. A from-scratch model (``tiny``) is planned with a 256-token vocabulary (its word-level
+tokenizer is built at run time); the rollout is planned without constrained decoding (its automaton
+tables are small).
 
 JSON keys (``--json``), all bytes per device:
   env, preset, layers_compiled, full_depth, model (name, params: parameter count, param_dtype, dtype,
