@@ -122,11 +122,12 @@ def test_plan_of_the_tiny_preset_end_to_end():
     assert [(v["hardware"], v["fits"]) for v in out["verdicts"]] == [("t4-16gb", True), ("l4-24gb", True)]
 
 
+PRETRAINED = ("small", "small-lora", "paper")
 SWEEP = textwrap.dedent("""
     import json, sys
     from experiments import plan
     plan.force_cpu_devices(8)
-    pairs = [(env, preset) for env in json.loads(sys.argv[1]) for preset in ("small", "paper")]
+    pairs = [(env, preset) for env in json.loads(sys.argv[1]) for preset in json.loads(sys.argv[2])]
     plans = plan.plan_presets(pairs, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(plan.summary_table(plans), file=sys.stderr)
     print("RESULT " + json.dumps(plans))
@@ -138,11 +139,12 @@ SWEEP = textwrap.dedent("""
                     reason="tens of minutes of compiles; set MAGE_PLAN_PRESETS=1")
 def test_every_pretrained_preset_fits_its_named_hardware():
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", SWEEP, json.dumps(sorted(ENVIRONMENTS))], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=4 * 3600)
+    args = [json.dumps(sorted(ENVIRONMENTS)), json.dumps(PRETRAINED)]
+    proc = subprocess.run([sys.executable, "-c", SWEEP, *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=4 * 3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plans = json.loads(proc.stdout.split("RESULT ", 1)[1])
-    assert len(plans) == 2 * len(ENVIRONMENTS)
+    assert len(plans) == len(PRETRAINED) * len(ENVIRONMENTS)
     for p in plans:
         named = plan.named_hardware(p["env"], p["preset"])
         assert [v["hardware"] for v in p["verdicts"]] == list(named)
