@@ -136,8 +136,8 @@ def _pretrained(env: str, *, privileged_reflection: bool = False) -> dict[str, A
         "train.eval_every": 10,
         "train.eval_meta_episodes": 128,
         "train.eval_heldout_meta_episodes": 128,
-        # No second copy of parameters and optimizer state during the updates (it does not fit beside the
-        # train step by experiments.plan): a stop request there waits for the updates to end.
+        # No second copy of parameters and optimizer state during the updates (7.2 GB more would not fit
+        # the small presets' 24 GB GPU by experiments.plan): a stop request there waits for the updates.
         "checkpoint.stop_during_updates": False,
     }
 
