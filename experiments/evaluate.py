@@ -6,10 +6,10 @@
     python -m experiments.evaluate --model-path /models/Qwen3-4B --env tic_tac_toe --method react
 
 ``--checkpoint`` takes a run directory (its ``config.json``, tokenizer and latest checkpoint, or
-``--step K``) and evaluates the trained parameters with the run's evaluation protocol: held-out
-instances of the training pool, the held-out opponent, and for Kuhn Poker the oracle references on
-the same meta-episodes. Results go to ``--out-dir``
-(alias ``--out``) (default ``<run>/eval-<timestamp>``): ``summary.json``
+``--step K``, or with ``--best`` the best validated state of a run with ``train.validate_every``)
+and evaluates the trained parameters with the run's evaluation protocol: held-out instances of the
+training pool, the held-out opponent, and for Kuhn Poker the oracle references on the same
+meta-episodes. Results go to ``--out-dir`` (alias ``--out``) (default ``<run>/eval-<timestamp>``): ``summary.json``
 and ``metrics.jsonl``; the table is printed.
 
 ``--model-path`` evaluates a pretrained model without training: ``--method reflexion`` plays
@@ -39,7 +39,7 @@ from experiments.environments import environment
 from mage_jax import config as C
 from mage_jax.evaluation.evaluator import EvalProtocol
 from mage_jax.evaluation.report import results_table
-from mage_jax.training.assemble import build_parts, checkpoint_dir, evaluation_key
+from mage_jax.training.assemble import best_checkpoint_dir, build_parts, checkpoint_dir, evaluation_key
 from mage_jax.training.checkpoint import key_from_json
 from mage_jax.training.run import RunOutcome, evaluate
 
@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="a run directory with config.json and checkpoints/")
     src.add_argument("--model-path", help="a local Hugging Face model folder (zero-shot)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--best", action="store_true",
+                   help="the best validated state (train.validate_every) instead of the latest checkpoint")
     p.add_argument("--env", default="kuhn_poker", help="environment (with --model-path)")
     p.add_argument("--method", choices=ZERO_SHOT_METHODS, default="reflexion", help="zero-shot baseline")
     p.add_argument("--preset", default="small", help="scale of the zero-shot config (small or paper)")
@@ -70,9 +72,9 @@ def _timestamp() -> str:
 
 
 def evaluate_checkpoint(run_dir: str, *, step: int | None = None, out_dir: str | None = None,
-                        overrides: dict[str, Any] | None = None) -> RunOutcome:
-    """Evaluate the parameters of a run's checkpoint with its environment's protocol; writes
-    ``summary.json`` in ``out_dir``."""
+                        overrides: dict[str, Any] | None = None, best: bool = False) -> RunOutcome:
+    """Evaluate the parameters of a run's checkpoint (``best``: its best validated state) with its
+    environment's protocol; writes ``summary.json`` in ``out_dir``."""
     if not os.path.isfile(os.path.join(run_dir, C.CONFIG_FILE)):
         raise C.ConfigError(f"--checkpoint {run_dir!r} holds no {C.CONFIG_FILE}; pass a run directory")
     cfg = C.apply_overrides(C.load(run_dir), overrides or {})
@@ -84,7 +86,8 @@ def evaluate_checkpoint(run_dir: str, *, step: int | None = None, out_dir: str |
     except C.ConfigError:  # an environment without an experiment module: the built-in splits only
         protocol = EvalProtocol(random_reference=False)
     parts = build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)  # the run's own tokenizer
-    params, meta = parts.restore_params(checkpoint_dir(cfg, run_dir), step)
+    directory = best_checkpoint_dir(cfg, run_dir) if best else checkpoint_dir(cfg, run_dir)
+    params, meta = parts.restore_params(directory, step)
     iteration = int(meta.get("iteration", 0))
     base_key = key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(cfg.train.seed)
     return evaluate(cfg, protocol, experiment=f"{cfg.name}_eval", parts=parts, params=params,
@@ -116,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides = dict([C.parse_assignment(s) for s in args.sets] + dotted)
         if args.checkpoint:
             outcome = evaluate_checkpoint(args.checkpoint, step=args.step, out_dir=args.out_dir,
-                                          overrides=overrides)
+                                          overrides=overrides, best=args.best)
         else:
             if not os.path.isdir(args.model_path):
                 raise C.ConfigError(f"--model-path {args.model_path!r} is not a folder")

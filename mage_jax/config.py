@@ -260,6 +260,12 @@ class TrainConfig:
     eval_final_only_heldout: bool = True
     """Held-out evaluation only at the end (it is not a training signal)."""
     seed: int = 0
+    validate_every: int = 0
+    """Play ``validation_meta_episodes`` held-out meta-episodes every k iterations (and after the last)
+    and keep the parameters with the best final-episode payoff (0: off). Validation instances come from
+    their own seed stream, never the evaluation's; the final evaluation then measures the kept
+    parameters, so selection never looks at the evaluation meta-episodes."""
+    validation_meta_episodes: int = 256
     stop_when_all_invalid: bool = True
     """Stop with one error line when no row of an iteration is valid (nothing to train on). Off only
     where that is expected, e.g. a smoke run of a random model."""
@@ -711,6 +717,9 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     _check(t.eval_meta_episodes >= 1, f"train.eval_meta_episodes must be >= 1 (got {t.eval_meta_episodes})")
     _check(t.eval_num_episodes >= 1, f"train.eval_num_episodes must be >= 1 (got {t.eval_num_episodes})")
     _check(t.eval_heldout_meta_episodes >= 0, "train.eval_heldout_meta_episodes must be >= 0")
+    _check(t.validate_every >= 0, f"train.validate_every must be >= 0 (got {t.validate_every})")
+    _check(t.validation_meta_episodes >= 1,
+           f"train.validation_meta_episodes must be >= 1 (got {t.validation_meta_episodes})")
     # checkpoints, mesh
     _check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0")
     _check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1 (got {cfg.checkpoint.keep})")

@@ -114,6 +114,15 @@ class TextEnv(abc.ABC):
         """Extra text for training reflect prompts (Kuhn's both-cards quirk); None for most envs."""
         return None
 
+    @staticmethod
+    def split_private(observation: str) -> tuple[str, str] | None:
+        """``(private, public)`` parts of a raw observation (Kuhn: the agent's card, the betting so far).
+
+        Used by the training diagnostics to measure whether decisions depend on what only the agent
+        sees (``mage_jax.evaluation.decisions``); None where an environment has no such split.
+        """
+        return None
+
     def step(self, response: str) -> StepResult:
         """Parse one raw model response (``<think>`` blocks included) and apply its action."""
         action = extract_action(response)
@@ -152,9 +161,16 @@ def make_env(name: str, **options: Any) -> TextEnv:
     """Build a registered environment; unknown names get one clear error listing the known ones."""
     import mage_jax.envs  # noqa: F401  (registers the built-in environments)
 
+    return env_class(name)(**options)
+
+
+def env_class(name: str) -> type[TextEnv]:
+    """The registered class of environment ``name`` (its static views, without building one)."""
+    import mage_jax.envs  # noqa: F401
+
     if name not in _REGISTRY:
         raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](**options)
+    return _REGISTRY[name]
 
 
 def registered_envs() -> list[str]:

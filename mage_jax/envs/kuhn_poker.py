@@ -14,6 +14,7 @@ invalid ones included; after ``max_turns`` (6) turns an unfinished game ends wit
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import numpy as np
@@ -114,6 +115,9 @@ def kuhn_returns(cards: tuple[int, int], history: str) -> tuple[int, int]:
     else:
         winner, amount = (0 if cards[0] > cards[1] else 1), (2 if "b" in history else 1)
     return (amount, -amount) if winner == 0 else (-amount, amount)
+
+
+_OBSERVATION = re.compile(r"Your Card: (?P<card>\w+) \| Actions: (?P<actions>[^|]*?)\s*(?:\||$)")
 
 
 def kuhn_observation(card: int, history: str) -> str:
@@ -238,6 +242,12 @@ class KuhnPokerEnv(TwoPlayerGameEnv):
             "agent_card": self._agent_card,
             "opponent_card": self._opponent_card,
         }
+
+    @staticmethod
+    def split_private(observation: str) -> tuple[str, str] | None:
+        """(``Queen``, ``No actions yet``) of ``Your Card: Queen | Actions: No actions yet``."""
+        match = _OBSERVATION.search(observation)
+        return None if match is None else (match["card"], match["actions"])
 
     def privileged_observation(self) -> str | None:
         """Both cards, for training reflect prompts only (the reference's privileged reflection)."""

@@ -219,7 +219,6 @@ class Evaluator:
         Once ``stop`` is set, the next turn of the evaluation raises ``rollout.stopping.Interrupted``
         (the training loop then saves its state at once and evaluates again on resume).
         """
-        chunk = max(self.cfg.rollout.num_tasks * self.cfg.rollout.group_size, 128)
         out: dict[str, SplitResult] = {}
         extra = {s.name: i for i, s in enumerate(self.protocol.extra_splits)}
         for s_index, (name, tasks, runner) in enumerate(self.splits(heldout=heldout)):
@@ -229,26 +228,38 @@ class Evaluator:
                 split_key, offset = jax.random.fold_in(key, 7919 + extra[name]), 0
             else:
                 split_key, offset = key, 1000 * s_index
-            outcomes, rows = [], []
-            bar = progress_bar(total=len(tasks), desc=f"eval:{name}", enabled=self.progress, leave=False)
-            for c_index, start in enumerate(range(0, len(tasks), chunk)):
-                policy = self.parts.policy(params, jax.random.fold_in(split_key, offset + c_index),
-                                           evaluation=True)
-                if stop is not None:
-                    policy = StoppablePolicy(policy, stop)
-                result = runner.run(tasks[start:start + chunk], policy, training=False)
-                outcomes += result.outcomes
-                rows += result.rows
-                if c_index == 0:
-                    samples = sample_rows(result.rows, getattr(self.parts, "tokenizer", None),
-                                          self.cfg.logging.samples)
-                bar.update(len(result.outcomes))
-                bar.set_postfix(success=f"{np.mean([any(o.won) for o in outcomes]):.3f}",
-                                payoff=f"{np.mean([o.payoff[-1] for o in outcomes]):.3f}")
-            bar.close()
-            metrics = compute_metrics(outcomes, num_episodes=runner.config.num_episodes, rows=rows)
-            out[name] = SplitResult(metrics, self.reference(name, tasks, runner), samples)
+            out[name] = self._run_split(name, tasks, runner, params, split_key, offset, stop)
         return out
+
+    def validate(self, params: Any, key: jax.Array) -> SplitResult:
+        """The ``validation`` split: ``train.validation_meta_episodes`` instances of the validation seed
+        stream (training pool and seats), played with the evaluation sampling; for checkpoint selection."""
+        tasks = self._sampler().sample_validation(self.cfg.train.validation_meta_episodes)
+        return self._run_split("validation", tasks, self.parts.eval_runner, params,
+                               jax.random.fold_in(key, 0x5A11D), 0, None)
+
+    def _run_split(self, name: str, tasks: list[Task], runner: Any, params: Any, split_key: jax.Array,
+                   offset: int, stop: threading.Event | None) -> SplitResult:
+        chunk = max(self.cfg.rollout.num_tasks * self.cfg.rollout.group_size, 128)
+        outcomes, rows = [], []
+        bar = progress_bar(total=len(tasks), desc=f"eval:{name}", enabled=self.progress, leave=False)
+        for c_index, start in enumerate(range(0, len(tasks), chunk)):
+            policy = self.parts.policy(params, jax.random.fold_in(split_key, offset + c_index),
+                                       evaluation=True)
+            if stop is not None:
+                policy = StoppablePolicy(policy, stop)
+            result = runner.run(tasks[start:start + chunk], policy, training=False)
+            outcomes += result.outcomes
+            rows += result.rows
+            if c_index == 0:
+                samples = sample_rows(result.rows, getattr(self.parts, "tokenizer", None),
+                                      self.cfg.logging.samples)
+            bar.update(len(result.outcomes))
+            bar.set_postfix(success=f"{np.mean([any(o.won) for o in outcomes]):.3f}",
+                            payoff=f"{np.mean([o.payoff[-1] for o in outcomes]):.3f}")
+        bar.close()
+        metrics = compute_metrics(outcomes, num_episodes=runner.config.num_episodes, rows=rows)
+        return SplitResult(metrics, self.reference(name, tasks, runner), samples)
 
 
 def transcripts(parts: EvalParts, params: Any, *, count: int = 4, opponent: str | None = None,

@@ -37,6 +37,8 @@ import numpy as np
 
 GROUPINGS = ("stationary", "mixed")
 SEAT_MODES = ("first", "second", "mixed")
+VALIDATION_STREAM = 0x5A11D
+"""Random stream of the validation seeds (the evaluation's is 0xE7A1)."""
 _SEED_SPACE = 2**30  # task seeds are 2k (train) or 2k + 1 (eval) with 0 <= k < 2**30
 
 
@@ -214,15 +216,21 @@ class TaskSampler:
         ]
 
     # -- evaluation ----------------------------------------------------------------------------
-    def eval_seeds(self, n: int) -> list[int]:
+    def eval_seeds(self, n: int, *, stream: int = 0xE7A1) -> list[int]:
         """The ``n`` held-out task seeds (odd; disjoint from every training seed)."""
         if not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"the number of evaluation tasks must be a positive integer, got {n!r}")
-        rng = np.random.default_rng([self.config.eval_seed, 0xE7A1])
+        rng = np.random.default_rng([self.config.eval_seed, stream])
         ks = rng.choice(_SEED_SPACE, size=int(n), replace=False)
         return [2 * int(k) + 1 for k in ks]
 
-    def sample_eval(self, n: int, opponent: str | None = None, seat: int | str | None = None) -> list[Task]:
+    def sample_validation(self, n: int) -> list[Task]:
+        """``n`` held-out tasks for checkpoint selection: like ``sample_eval(n)`` (training pool, training
+        seats) on seeds of their own stream, so selection never sees an evaluation instance."""
+        return self.sample_eval(n, stream=VALIDATION_STREAM)
+
+    def sample_eval(self, n: int, opponent: str | None = None, seat: int | str | None = None, *,
+                    stream: int = 0xE7A1) -> list[Task]:
         """``n`` held-out tasks with group size 1 (each meta-episode is its own group).
 
         ``opponent``: a name (may be outside the training pool, e.g. a held-out CFR opponent), or None
@@ -232,7 +240,7 @@ class TaskSampler:
         results against different opponents are measured on the same deals.
         """
         cfg = self.config
-        seeds = self.eval_seeds(n)
+        seeds = self.eval_seeds(n, stream=stream)
         if opponent is not None:
             opponents: list[str | None] = [opponent] * n
         elif cfg.opponents:

@@ -187,6 +187,11 @@ def checkpoint_dir(cfg: C.ExperimentConfig, run_dir: str | None = None) -> str:
     return cfg.checkpoint.dir or os.path.join(run_dir or cfg.logging.run_dir or ".", "checkpoints")
 
 
+def best_checkpoint_dir(cfg: C.ExperimentConfig, run_dir: str | None = None) -> str:
+    """Where a run with validation keeps its best validated state (``train.validate_every``)."""
+    return checkpoint_dir(cfg, run_dir).rstrip(os.sep) + "_best"
+
+
 def make_checkpointer(cfg: C.ExperimentConfig, run_dir: str) -> Checkpointer:
     return Checkpointer(checkpoint_dir(cfg, run_dir), keep=cfg.checkpoint.keep, every=cfg.checkpoint.every)
 

@@ -339,6 +339,10 @@ class Checkpointer:
             self._reader.reload()
         self._manager.reload()
 
+    def delete(self, step: int) -> None:
+        """Remove checkpoint ``step`` (e.g. one written after the checkpoint a run resumed from)."""
+        self._manager.delete(step)
+
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()

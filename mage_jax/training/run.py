@@ -125,6 +125,7 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
         experiment=experiment or cfg.name, iterations=result.iteration, run_dir=run_dir,
         model_config=parts.model_config, results=result.final, wall_seconds=time.perf_counter() - start,
         setup_seconds=setup_seconds, skipped_updates=result.skipped_updates,
+        selected_iteration=result.selected_iteration,
     )
     if is_main_process():
         write_summary(run_dir, summary)

@@ -60,6 +60,8 @@ import numpy as np
 
 from mage_jax import config as C
 from mage_jax.algorithms import compute_advantages
+from mage_jax.envs import env_class
+from mage_jax.evaluation.decisions import decision_stats
 from mage_jax.evaluation.evaluator import Evaluator, SplitResult
 from mage_jax.evaluation.metrics import compute_metrics
 from mage_jax.evaluation.report import log_evaluation
@@ -72,11 +74,12 @@ from mage_jax.rollout.stopping import Interrupted, StoppablePolicy
 from mage_jax.training.assemble import (
     RunParts,
     advantage_config,
+    best_checkpoint_dir,
     evaluation_key,
     make_checkpointer,
     row_length_buckets,
 )
-from mage_jax.training.checkpoint import key_from_json, key_to_json
+from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
 from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows, lr_decay
 
 EXIT_SECOND_INTERRUPT = 130
@@ -102,6 +105,8 @@ class TrainResult:
     """The final evaluation (None when interrupted)."""
     skipped_updates: int = 0
     """Updates skipped over the whole run (non-finite loss, gradients or new state)."""
+    selected_iteration: int | None = None
+    """The iteration whose parameters the final evaluation measured (validation on); None: the last."""
 
 
 class Trainer:
@@ -126,6 +131,10 @@ class Trainer:
         self.length_buckets = row_length_buckets(cfg)
         self.base_key = jax.random.key(cfg.train.seed)
         self.checkpointer = make_checkpointer(cfg, self.run_dir)
+        self.best_checkpointer = (Checkpointer(best_checkpoint_dir(cfg, self.run_dir), keep=1)
+                                  if cfg.train.validate_every > 0 else None)
+        self.best: tuple[int, float] | None = None
+        """(iteration, validation payoff) of the best validated state (kept by ``best_checkpointer``)."""
         self.start_iteration = 0
         self.skipped_updates = 0
         self.consecutive_skips = 0
@@ -140,10 +149,15 @@ class Trainer:
             self.skipped_updates = int(meta.get("skipped_updates", 0))
             self.consecutive_skips = int(meta.get("consecutive_skips", 0))
             self.pending_evaluation = bool(meta.get("pending_evaluation", False))
+            best = meta.get("best")
+            if best is not None and self.best_checkpointer is not None:
+                self.best = (int(best[0]), float(best[1]))
             try:
                 parts.task_sampler.load_state_dict(meta.get("task_sampler", {}))
             except ValueError as err:
                 raise C.ConfigError(str(err)) from None
+        if self.best_checkpointer is not None:
+            self._reconcile_best()
         self.logger = MetricsLogger(
             self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
             wandb_project=cfg.logging.wandb_project, config=C.to_dict(cfg),
@@ -251,6 +265,10 @@ class Trainer:
         for k in range(cfg.rollout.num_episodes):
             out[f"success@{k}"] = curves["success"][k]
             out[f"payoff@{k}"] = curves["payoff"][k]
+        for opponent, split in train_metrics["by_opponent"].items():
+            out[f"payoff@last/{opponent}"] = split["curves"]["payoff"][-1]
+        out.update(decision_stats(result.rows, cfg.rollout.num_episodes,
+                                  env_class(cfg.env.name).split_private).metrics())
         out["valid_action_ratio"] = train_metrics["valid_action_ratio"] or 0.0
         out["rows_per_meta_episode"] = train_metrics["rows_per_meta_episode"]
         episode_rewards = [r for o in result.outcomes for r in o.rewards]
@@ -336,7 +354,10 @@ class Trainer:
         if not bool(jax.jit(all_finite)(self.state)):  # cannot happen past the step's check; never save it
             raise TrainingStopped(f"the state of iteration {iteration} is not finite; it was not saved; "
                                   f"{self._last_checkpoint_note()}")
-        meta = {
+        self.checkpointer.save(iteration, self.state, self._meta(iteration))
+
+    def _meta(self, iteration: int) -> dict[str, Any]:
+        return {
             "iteration": iteration,
             "rng": key_to_json(self.base_key),
             "task_sampler": self.parts.task_sampler.state_dict(),
@@ -344,12 +365,44 @@ class Trainer:
             "skipped_updates": self.skipped_updates,
             "consecutive_skips": self.consecutive_skips,
             "pending_evaluation": self.pending_evaluation,
+            "best": None if self.best is None else list(self.best),
         }
-        self.checkpointer.save(iteration, self.state, meta)
+
+    def _reconcile_best(self) -> None:
+        """Best states saved after the iteration this run starts from belong to an abandoned future."""
+        for step in self.best_checkpointer.all_steps():
+            if step > self.start_iteration:
+                self.best_checkpointer.delete(step)
+        if self.best is not None and self.best[0] not in self.best_checkpointer.all_steps():
+            print(f"warning: the best validated state (iteration {self.best[0]}) is missing from "
+                  f"{self.best_checkpointer.directory}; selection starts again", file=sys.stderr)
+            self.best = None
+
+    def _validate(self, iteration: int) -> bool:
+        """Play the validation split; keep the state on disk when its final-episode payoff is the best so
+        far (ties keep the earlier one). True when it was kept: the caller then checkpoints the run too,
+        so the checkpoint a run resumes from always names a best state that is on disk."""
+        result = self.evaluator.validate(self.state.params, evaluation_key(self.base_key, iteration))
+        log_evaluation(self.logger, iteration, {"validation": result})
+        score = float(result.metrics["curves"]["payoff"][-1])
+        if self.best is None or score > self.best[1]:
+            self.best = (iteration, score)
+            self.best_checkpointer.save(iteration, self.state, self._meta(iteration))
+            return True
+        return False
+
+    def _selected(self, iteration: int) -> tuple[Any, int]:
+        """(params, iteration) the final evaluation measures: the best validated state, else the current
+        one. The evaluation key is that iteration's, so ``experiments.evaluate --best`` reproduces it."""
+        if self.best is None:
+            return self.state.params, iteration
+        state, _ = self.best_checkpointer.restore(self.state, self.best[0])
+        return state.params, self.best[0]
 
     def _evaluate(self, iteration: int, *, final: bool) -> dict[str, SplitResult]:
         heldout = final or not self.cfg.train.eval_final_only_heldout
-        results = self.evaluator.evaluate(self.state.params, evaluation_key(self.base_key, iteration),
+        params, selected = self._selected(iteration) if final else (self.state.params, iteration)
+        results = self.evaluator.evaluate(params, evaluation_key(self.base_key, selected),
                                           heldout=heldout, stop=self._stop)
         log_evaluation(self.logger, iteration, results)
         return results
@@ -419,11 +472,16 @@ class Trainer:
                 metrics["wall_seconds"] = time.perf_counter() - start_time
                 self.logger.log(iteration, metrics, split="train")
                 self._check_skips(iteration, int(metrics["consecutive_skips_max"]))
+                every = cfg.train.validate_every
+                validate = every > 0 and (iteration % every == 0 or iteration == total)
+                improved = validate and self._validate(iteration)
                 bar.update(1)
                 postfix = {"succ": f"{metrics['success@last']:.2f}", "pay": f"{metrics['payoff@last']:+.2f}",
                            "ent": f"{metrics['entropy']:.3f}", "kl": f"{metrics['approx_kl']:+.3f}"}
                 if self.skipped_updates:
                     postfix["skipped"] = str(self.skipped_updates)
+                if self.best is not None:
+                    postfix["best"] = f"{self.best[1]:+.3f}@{self.best[0]}"
                 if last_eval is not None:
                     postfix["eval_pay"] = f"{last_eval['eval'].metrics['curves']['payoff'][-1]:+.3f}"
                 bar.set_postfix(postfix)
@@ -431,7 +489,7 @@ class Trainer:
                     status, last_eval = self._evaluate_or_stop(iteration, last_eval)
                     if status != "finished":
                         break
-                if self.checkpointer.should_save(iteration):
+                if self.checkpointer.should_save(iteration) or improved:
                     self._checkpoint(iteration)
             bar.set_description("final evaluation" if status == "finished" else "saving")
             final = None
@@ -445,9 +503,12 @@ class Trainer:
                 print(f"warning: {self.skipped_updates} updates were skipped (non-finite loss, gradients or "
                       "parameters, or over optim.max_update_ratio); see 'skipped' in metrics.jsonl",
                       file=sys.stderr)
-            return TrainResult(status, iteration, final, self.skipped_updates)
+            return TrainResult(status, iteration, final, self.skipped_updates,
+                               None if self.best is None else self.best[0])
         finally:
             bar.close()
             restore_signal()
             self.logger.close()
             self.checkpointer.close()
+            if self.best_checkpointer is not None:
+                self.best_checkpointer.close()
