@@ -9,8 +9,8 @@
 ``--step K``, or with ``--best`` the best validated state of a run with ``train.validate_every``)
 and evaluates the trained parameters with the run's evaluation protocol: held-out instances of the
 training pool, the held-out opponent, and for Kuhn Poker the oracle references on the same
-meta-episodes. Results go to ``--out-dir`` (alias ``--out``) (default ``<run>/eval-<timestamp>``): ``summary.json``
-and ``metrics.jsonl``; the table is printed.
+meta-episodes. Results go to ``--out-dir`` (alias ``--out``) (default ``<run>/eval-<timestamp>``):
+``summary.json`` and ``metrics.jsonl``; the table is printed.
 
 ``--model-path`` evaluates a pretrained model without training: ``--method reflexion`` plays
 meta-episodes with reflections between episodes (the Reflexion baseline), ``--method react`` plays N
