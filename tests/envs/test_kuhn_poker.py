@@ -262,3 +262,22 @@ def test_a_thinking_response_plays_its_final_answer_not_the_tags_it_considered()
     env.reset(5)
     result = env.step("<think>Bet? <action>BET</action> is risky.</think>\n<action>PASS</action>")
     assert result.action == "PASS" and env.history.startswith("p")
+
+
+def test_split_private_separates_the_card_from_the_betting_in_every_observation_and_anchor():
+    env = make_env("kuhn_poker")
+    seen = set()
+    for seed, opponent, seat in itertools.product(range(12), ("aggressive", "conservative"), (0, 1)):
+        obs = env.reset(seed, opponent=opponent, seat=seat)
+        card = env.task_info["cards"][0]
+        while True:
+            private, public = env.split_private(obs)
+            assert private == card and not {"Jack", "Queen", "King"} & set(public.split())
+            seen.add(public)
+            if env.done:
+                break
+            obs = env.step_action("PASS").observation
+    assert {"No actions yet", "Player 0: Pass", "Player 0: Bet"} <= seen
+    anchored = env.split_private("episode 2 || Your Card: King | Actions: Player 0: Bet || opponent: cfr")
+    assert anchored == ("King", "Player 0: Bet")
+    assert env.split_private("unrelated text") is None
