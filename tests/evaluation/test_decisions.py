@@ -25,7 +25,8 @@ def row(card: str, actions: str, response, *, episode: int = 0, logprob: float =
 
 
 def test_entropy_is_the_mean_negative_log_probability_of_each_episodes_play_rows():
-    rows = [row("King", "No actions yet", BET, logprob=-0.2), row("Jack", "No actions yet", PASS, logprob=-0.4),
+    rows = [row("King", "No actions yet", BET, logprob=-0.2),
+            row("Jack", "No actions yet", PASS, logprob=-0.4),
             row("King", "No actions yet", BET, episode=2, logprob=-1.0),
             row("King", "", BET, episode=1, logprob=-3.0, phase="reflect")]
     stats = decision_stats(rows, 3, SPLIT)
