@@ -37,6 +37,13 @@ Design of the ``tiny`` preset (why it differs from the paper's Qwen3-4B recipe):
   the same size; 32 task instances per iteration cover nearly all 36 deal x seat x opponent
   situations each time, which keeps the small model from swinging between the situations of
   consecutive iterations).
+* Checkpoint selection: every 3 iterations (and after the last) the policy plays 256 validation
+  meta-episodes (their own seed stream, never the evaluation's) and the state with the best
+  final-episode payoff is kept in ``checkpoints_best/``; the final evaluation measures that state.
+  Without it runs of this size are bimodal: the training diagnostics (``entropy_play@k``,
+  ``private_dependence``, ``payoff@last/<opponent>`` in ``metrics.jsonl``) show the later episodes'
+  decisions turning deterministic while the probing first episode keeps exploring, and the policy
+  passing through adaptive states and leaving them again (``docs/results.md``).
 * Evaluation: 512 held-out meta-episodes against the training pool (mixed seats) and 256 against
   CFR in the second seat, at the paper's evaluation sampling (temperature 0.7, top-p 0.8, top-k 20).
 
