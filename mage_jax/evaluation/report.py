@@ -21,9 +21,13 @@ from mage_jax.evaluation import plots
 from mage_jax.evaluation.evaluator import SplitResult
 from mage_jax.evaluation.metrics import flatten_metrics
 from mage_jax.evaluation.samples import render_markdown
-from mage_jax.logging import METRICS_FILE, MetricsLogger, to_jsonable
+from mage_jax.logging import METRICS_FILE, MetricsLogger, read_jsonl, to_jsonable
 
 SUMMARY_FILE = "summary.json"
+DIAGNOSTIC_PLOT_KEYS = ("payoff@last", "entropy_play@0", "entropy_play@last", "private_dependence",
+                        "dependent_share")
+"""``plots/diagnostics.png``: what the policy's decisions depend on (``evaluation.decisions``), then the
+final-episode payoff per opponent of the training rollouts."""
 TRAINING_PLOT_KEYS = ("success@last", "payoff@last", "reward_mean", "policy_loss", "entropy", "approx_kl",
                       "grad_norm", "clip_fraction", "iteration_seconds")
 
@@ -101,10 +105,14 @@ def write_plots(run_dir: str, results: Mapping[str, SplitResult]) -> list[str]:
             lines["payoff"]["adaptive bound"] = ref["adaptive_payoff_bound"]
         written += [str(p) for p in plots.plot_success_and_payoff(block.metrics, out, reference=lines,
                                                                   prefix=f"{split}_")]
+    metrics_file = os.path.join(run_dir, METRICS_FILE)
     with contextlib.suppress(ValueError):  # no training record (zero iterations)
-        written.append(str(plots.plot_training_curves(os.path.join(run_dir, METRICS_FILE),
-                                                      os.path.join(out, "training.png"),
+        written.append(str(plots.plot_training_curves(metrics_file, os.path.join(out, "training.png"),
                                                       keys=TRAINING_PLOT_KEYS)))
+    with contextlib.suppress(ValueError, FileNotFoundError):  # no diagnostics logged
+        per_opponent = sorted({k for r in read_jsonl(run_dir) for k in r if k.startswith("payoff@last/")})
+        written.append(str(plots.plot_training_curves(metrics_file, os.path.join(out, "diagnostics.png"),
+                                                      keys=DIAGNOSTIC_PLOT_KEYS + tuple(per_opponent))))
     return written
 
 
