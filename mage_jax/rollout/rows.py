@@ -151,9 +151,18 @@ class PackedBatch:
         """The per-row arrays under the algorithms' ``RowBatch`` field names."""
         return {name: getattr(self, name) for name in self.ROW_BATCH_FIELDS}
 
-    def row_batch(self) -> RowBatch:
-        """The algorithms' ``RowBatch`` (a pytree of [R] arrays) for returns and advantages."""
-        return RowBatch.create(**self.row_batch_arrays())
+    def row_batch(self, num_rows: int | None = None) -> RowBatch:
+        """The algorithms' ``RowBatch`` (a pytree of [R] arrays) for returns and advantages.
+
+        ``num_rows`` >= R pads it with more masked rows: a few sizes (powers of two) instead of one per
+        rollout keep the jitted estimators from compiling again for every new row count."""
+        arrays = self.row_batch_arrays()
+        extra = 0 if num_rows is None else num_rows - len(self.mask)
+        if extra < 0:
+            raise ValueError(f"num_rows={num_rows} is below the batch's {len(self.mask)} rows")
+        if extra:
+            arrays = {k: np.concatenate([v, np.zeros(extra, v.dtype)]) for k, v in arrays.items()}
+        return RowBatch.create(**arrays)
 
     def row_transitions(self, rows: slice | np.ndarray | None = None) -> np.ndarray | None:
         """Per-row transitions ``[r, S, V]`` for ``constraint_masks`` (free rows get an accept-all

@@ -195,7 +195,9 @@ class Trainer:
             return TrainBatch.from_packed(packed, idx, length=length, advantages=advantages,
                                           constrained=packed.constraint_table is not None)
 
-        advantages = np.asarray(compute_advantages(cfg.algorithm.estimator, packed.row_batch(), self.adv_cfg))
+        rows_bucket = 1 << max(len(packed.mask) - 1, 0).bit_length()  # one compile per power of two
+        advantages = np.asarray(compute_advantages(cfg.algorithm.estimator, packed.row_batch(rows_bucket),
+                                                   self.adv_cfg))[:len(packed.mask)]
 
         # Old (and reference) log-probs of every real row, before any update of this iteration; they stay
         # on the host (tens of GB at the paper's lengths) and each mini-batch takes its rows from them.

@@ -264,3 +264,20 @@ def test_an_empty_batch_gives_no_advantages():
     rows = RowBatch.create(**dict.fromkeys(columns, []))
     for name in ("gigpo", "rloo"):
         assert compute_advantages(name, rows).shape == (0,)
+
+
+@pytest.mark.parametrize("estimator", ["gigpo", "grpo", "rloo"])
+def test_more_padding_rows_change_no_advantage_of_a_real_row(estimator):
+    """The trainer pads the row batch to a power of two (one compile per size, not per rollout)."""
+    from mage_jax.algorithms import AdvantageConfig, compute_advantages
+    from mage_jax.rollout.rows import pack_rows
+    from tests.rollout.test_rows import sample_rows
+
+    packed = pack_rows(sample_rows(), row_bucket=4, length_buckets=(8,), pad_id=0)
+    plain = np.asarray(compute_advantages(estimator, packed.row_batch(), AdvantageConfig()))
+    padded = np.asarray(compute_advantages(estimator, packed.row_batch(32), AdvantageConfig()))
+    assert padded.shape == (32,) and np.any(plain[:5] != 0)
+    np.testing.assert_array_equal(padded[:8], plain)
+    assert np.all(padded[8:] == 0)
+    with pytest.raises(ValueError, match="below"):
+        packed.row_batch(4)
