@@ -24,6 +24,7 @@ import inspect
 import json
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -38,6 +39,7 @@ from mage_jax.models.config import DTYPES
 from mage_jax.models.lora import LORA_TARGETS
 from mage_jax.models.sharding import MeshConfig
 from mage_jax.rollout.tasks import GROUPINGS, SEAT_MODES
+from mage_jax.tokenizer import WORD_PATTERN
 from mage_jax.training.train_step import LR_DECAYS
 
 
@@ -153,8 +155,14 @@ class RolloutConfig:
     num_episodes: int = 3
     """N."""
     memory_mode: MemoryMode = "reflection_only"
+    """``none``: every episode's prompt carries no memory (a no-memory control; needs ``reflect=false``)."""
     reflect: bool = True
     """Run the reflect phase between episodes (off: memory comes from trajectories only)."""
+    reflection_words: tuple[str, ...] = ()
+    """Constrained reflections (word-level tokenizer): each reflection is ``<remark>`` + 1 to
+    ``reflection_max_words`` of these words + ``</remark>``, decoded under a token automaton and replayed
+    in the log-prob recompute like constrained actions. Empty: free reflections."""
+    reflection_max_words: int = 3
     prompt_style: PromptStyle = "full"
     constrained_actions: bool = False
     """Constrain play responses to the legal ``<action>...</action>`` strings (and the log-prob recompute)."""
@@ -669,9 +677,12 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
                f"rollout.batch_size {r.batch_size} != rollout.num_tasks * rollout.group_size "
                f"({r.num_tasks} * {r.group_size} = {r.num_tasks * r.group_size})")
     _check(r.num_episodes >= 1, f"rollout.num_episodes must be >= 1 (got {r.num_episodes})")
-    _check(not (r.memory_mode != "history_only" and not r.reflect and r.num_episodes > 1),
+    _check(not (r.memory_mode not in ("history_only", "none") and not r.reflect and r.num_episodes > 1),
            f"rollout.memory_mode={r.memory_mode} needs reflections; set rollout.reflect=true or "
            "rollout.memory_mode=history_only")
+    _check(not (r.memory_mode == "none" and r.reflect and r.num_episodes > 1),
+           "rollout.memory_mode=none shows no reflections; set rollout.reflect=false")
+    _check_reflection_words(cfg)
     _check(r.max_prompt_tokens >= 1, f"rollout.max_prompt_tokens must be >= 1 (got {r.max_prompt_tokens})")
     _check(r.max_response_tokens >= 1,
            f"rollout.max_response_tokens must be >= 1 (got {r.max_response_tokens})")
@@ -728,6 +739,28 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     _check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes must be >= 1 or -1 (got {sizes})")
     _check(sum(s == -1 for s in sizes) <= 1, "at most one mesh axis may be -1")
     return cfg
+
+
+def _check_reflection_words(cfg: ExperimentConfig) -> None:
+    """Constrained reflections: a list of distinct single word-level tokens, room for the longest one."""
+    r = cfg.rollout
+    _check(r.reflection_max_words >= 1,
+           f"rollout.reflection_max_words must be >= 1 (got {r.reflection_max_words})")
+    if not r.reflection_words:
+        return
+    _check(r.reflect, "rollout.reflection_words constrain reflections; set rollout.reflect=true")
+    _check(cfg.tokenizer.kind == "word_level",
+           "rollout.reflection_words needs tokenizer.kind=word_level (each word must be one token)")
+    bad = [w for w in r.reflection_words
+           if not re.fullmatch(r"\w+", w) or re.findall(WORD_PATTERN, w) != [w]]
+    _check(not bad, f"rollout.reflection_words must be single words of letters or digits, one token each "
+                    f"(got {', '.join(map(repr, bad))})")
+    _check(len(set(r.reflection_words)) == len(r.reflection_words),
+           f"rollout.reflection_words must be distinct (got {', '.join(r.reflection_words)})")
+    limit = r.max_reflection_tokens or r.max_response_tokens
+    _check(limit >= r.reflection_max_words + 3,
+           f"rollout.max_reflection_tokens {limit} is too short for <remark>, {r.reflection_max_words} "
+           f"words, </remark> and the end token; set it to >= {r.reflection_max_words + 3}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -95,6 +95,89 @@ def automaton_from_completions(
     return TokenAutomaton(table)
 
 
+@dataclasses.dataclass(frozen=True)
+class WordSequence:
+    """Responses ``open_tag w_1 ... w_m close_tag`` with 1 <= m <= ``max_words`` and every w_i in ``words``.
+
+    Words are joined by single spaces (``"<remark>bets King</remark>"``); ``sample`` draws the length
+    and each word uniformly (a random policy's reflection, the tokenizer corpus).
+    """
+
+    words: tuple[str, ...]
+    max_words: int = 3
+    open_tag: str = "<remark>"
+    close_tag: str = "</remark>"
+
+    def __post_init__(self) -> None:
+        if not self.words or len(set(self.words)) != len(self.words):
+            raise ValueError(f"words must be a non-empty list of distinct words, got {list(self.words)}")
+        if not isinstance(self.max_words, int) or self.max_words < 1:
+            raise ValueError(f"max_words must be a positive integer, got {self.max_words!r}")
+
+    def text(self, words: Sequence[str]) -> str:
+        return f"{self.open_tag}{' '.join(words)}{self.close_tag}"
+
+    def accepts(self, text: str) -> bool:
+        """Whether ``text`` is exactly one allowed response (single spaces between the words)."""
+        if not (text.startswith(self.open_tag) and text.endswith(self.close_tag)):
+            return False
+        body = text[len(self.open_tag): len(text) - len(self.close_tag)]
+        parts = body.split(" ")
+        return 1 <= len(parts) <= self.max_words and all(p in self.words for p in parts)
+
+    def first(self) -> str:
+        """The response of one word, the first of the list."""
+        return self.text(self.words[:1])
+
+    def sample(self, rng: np.random.Generator) -> str:
+        count = int(rng.integers(1, self.max_words + 1))
+        return self.text([self.words[int(i)] for i in rng.integers(len(self.words), size=count)])
+
+
+def automaton_from_word_sequence(
+    open_ids: Sequence[int], word_ids: Sequence[int], close_ids: Sequence[int], max_words: int,
+    vocab_size: int, eos_id: int | Sequence[int],
+) -> TokenAutomaton:
+    """The automaton of ``open_ids``, 1..``max_words`` single tokens of ``word_ids``, ``close_ids``, EOS.
+
+    States: the open tag's tokens, then "k words read" for k = 0..max_words (any word id leads from k to
+    k + 1 below the limit; the close tag may start from k >= 1), the close tag's tokens, an accepting
+    state and the absorbing "after EOS" state. It accepts exactly the token sequences of the trie
+    ``automaton_from_completions`` would build from every word sequence.
+    """
+    eos = [eos_id] if isinstance(eos_id, (int, np.integer)) else list(eos_id)
+    if not word_ids or not open_ids or not close_ids:
+        raise ValueError("a word sequence needs an open tag, a close tag and at least one word")
+    if max_words < 1:
+        raise ValueError(f"max_words must be >= 1, got {max_words}")
+    ids = [int(t) for t in (*open_ids, *word_ids, *close_ids)]
+    for tid in [*eos, *ids]:
+        if not 0 <= int(tid) < vocab_size:
+            raise ValueError(f"token id {int(tid)} is outside the vocabulary [0, {vocab_size})")
+    if set(ids) & set(int(e) for e in eos):
+        raise ValueError("a word sequence's tokens must not contain an EOS id")
+    words = sorted({int(w) for w in word_ids})
+    if int(close_ids[0]) in words:
+        raise ValueError(f"the close tag's first token {int(close_ids[0])} is also a word")
+    n_open, n_close = len(open_ids), len(close_ids)
+    counted = n_open  # state of "0 words read"; counted + k: k words read
+    closing = counted + max_words + 1  # state after the close tag's first token
+    accept = closing + n_close - 1
+    done = accept + 1
+    table = np.full((done + 1, vocab_size), -1, np.int32)
+    for i, tid in enumerate(open_ids):
+        table[i, int(tid)] = i + 1
+    for k in range(max_words + 1):
+        if k < max_words:
+            table[counted + k, words] = counted + k + 1
+        if k >= 1:
+            table[counted + k, int(close_ids[0])] = closing
+    for i, tid in enumerate(close_ids[1:]):
+        table[closing + i, int(tid)] = closing + i + 1
+    table[accept, eos] = done
+    return TokenAutomaton(table)
+
+
 def stack_automata(
     automata: Sequence[TokenAutomaton | None], vocab_size: int, num_states: int | None = None
 ) -> np.ndarray:

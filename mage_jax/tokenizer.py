@@ -248,6 +248,14 @@ class Tokenizer:
             return self.backend.token_to_id(token)
         return self.backend.get_vocab().get(token)
 
+    def single_token_id(self, word: str) -> int | None:
+        """The id of ``word`` when it encodes to exactly one token that is not [UNK]; else None
+        (a constrained reflection's words must each be one token)."""
+        ids = self.encode(word)
+        unk = (self.token_to_id(UNK) if self.kind == "word_level"
+               else getattr(self.backend, "unk_token_id", None))
+        return ids[0] if len(ids) == 1 and ids[0] != unk else None
+
     # ---------------------------------------------------------------------------------------- encode
     def render_prompt(self, text: str) -> str:
         """The chat-formatted text of one prompt (one user message, generation prompt appended)."""

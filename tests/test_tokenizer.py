@@ -148,6 +148,12 @@ def test_word_level_unknown_words_map_to_unk(word_tok):
     assert word_tok.encode("zebra") == [word_tok.token_to_id("[UNK]")]
 
 
+def test_single_token_id_is_none_for_unknown_or_split_words(word_tok):
+    assert word_tok.single_token_id("PASS") == word_tok.encode("PASS")[0]
+    assert word_tok.single_token_id("zebra") is None  # [UNK]
+    assert word_tok.single_token_id("PASS PASS") is None and word_tok.single_token_id("") is None
+
+
 def test_word_level_vocab_size_caps_the_vocabulary():
     tok = Tokenizer.word_level(CORPUS, vocab_size=10)
     assert tok.vocab_size == 10

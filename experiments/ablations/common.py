@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from experiments.environments import environment
 from experiments.suite import (
+    Aggregate,
+    RunRecord,
     Variant,
     aggregate,
     markdown_table,
@@ -35,6 +37,8 @@ class Ablation:
     paper_note: str = ""
     envs: tuple[str, ...] = GAMES
     default_env: str = "kuhn_poker"
+    report: Callable[[Sequence[RunRecord], Mapping[str, Aggregate], str], str] | None = None
+    """More markdown after the common table, from the runs, their aggregates and the headline split."""
 
     def main(self, argv: Sequence[str] | None = None) -> int:
         try:
@@ -65,6 +69,8 @@ class Ablation:
         table = markdown_table(aggregates, paper=self.paper, title=title, labels=labels)
         if self.paper_note:
             table += f"\npaper: {self.paper_note}\n"
+        if self.report is not None:
+            table += "\n" + self.report(records, aggregates, split)
         missing = [f"{r.variant}/seed{r.seed}" for r in records if r.summary is None]
         if missing:
             table += f"\nnot finished: {', '.join(missing)}\n"

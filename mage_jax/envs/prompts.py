@@ -24,7 +24,9 @@ from collections.abc import Sequence
 
 from mage_jax.envs.base import PromptSpec
 
-MEMORY_MODES = ("reflection_only", "history_only", "history_and_reflection")
+MEMORY_MODES = ("reflection_only", "history_only", "history_and_reflection", "none")
+"""What later episodes carry from earlier ones; ``none`` carries nothing (a no-memory control: the
+agent plays N episodes but cannot adapt across them)."""
 STYLES = ("full", "compact")
 
 
@@ -172,8 +174,11 @@ def render_trajectory(record: EpisodeRecord, episode: int, *, style: str = "full
 
 def render_memory(memory: Sequence[EpisodeRecord], *, memory_mode: str = "reflection_only",
                   style: str = "full") -> str:
-    """What the next episode carries from the earlier ones (spec section 3, item 3); "" when empty."""
+    """What the next episode carries from the earlier ones (spec section 3, item 3); "" when empty
+    (and always with ``memory_mode="none"``)."""
     _check_options(memory_mode, style)
+    if memory_mode == "none":
+        return ""
     blocks = []
     for position, record in enumerate(memory):
         k = position if record.episode is None else record.episode

@@ -14,17 +14,25 @@ Per meta-episode and k, with ``j = min(k, episodes_run - 1)`` the last episode p
 
 Each curve is the mean over meta-episodes, overall and split by opponent, seat and task type
 (``task_info["task_type"]``, e.g. ALFWorld).
+
+``reflections`` (when any meta-episode wrote one): what the agent wrote, per opponent and seat: the
+number of reflections and the most frequent texts with their counts (what a constrained reflection
+vocabulary learned to say; free-text reflections are rarely equal, so the list is capped).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 CURVES = ("success", "draw", "success_or_draw", "score", "payoff", "reward")
+TOP_REFLECTIONS = 10
+"""Most frequent reflection texts kept per opponent and seat."""
+MAX_REFLECTION_CHARS = 200
 
 
 def _field(outcome: Any, name: str, default: Any = None) -> Any:
@@ -123,6 +131,9 @@ def compute_metrics(
         kind: _curves(group, K) for kind, group in _split(outcomes, _task_type).items()
     }
 
+    reflections = reflection_counts(outcomes)
+    if reflections:
+        metrics["reflections"] = reflections
     valid = sum(int(_field(o, "valid_actions", 0) or 0) for o in outcomes)
     invalid = sum(int(_field(o, "invalid_actions", 0) or 0) for o in outcomes)
     metrics["valid_action_ratio"] = valid / (valid + invalid) if valid + invalid else None
@@ -139,6 +150,20 @@ def compute_metrics(
             "reflect_mean": float(lengths[~play].mean()) if (~play).any() else None,
         }
     return metrics
+
+
+def reflection_counts(outcomes: Sequence[Any]) -> dict[str, dict[str, Any]]:
+    """{"<opponent>/seat<seat>": {"count": n, "top": [[text, count], ...]}} of the reflections written
+    (the ``TOP_REFLECTIONS`` most frequent, ties in first-written order); {} when none was written."""
+    groups: dict[str, Counter] = {}
+    for o in outcomes:
+        texts = list(_field(o, "reflections", None) or [])
+        if not texts:
+            continue
+        key = f"{_field(o, 'opponent')}/seat{_field(o, 'seat')}"
+        groups.setdefault(key, Counter()).update(str(t)[:MAX_REFLECTION_CHARS] for t in texts)
+    return {key: {"count": sum(c.values()), "top": [[t, n] for t, n in c.most_common(TOP_REFLECTIONS)]}
+            for key, c in sorted(groups.items())}
 
 
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:

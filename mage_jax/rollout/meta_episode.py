@@ -22,8 +22,11 @@ Memory: after episode n the runner keeps an ``EpisodeRecord`` (moves, reward, wo
 the play prompts of later episodes show the records per ``memory_mode`` (rendered by
 ``mage_jax.envs.prompts``, the only place that renders memory). With ``reflect=False`` no reflection
 rows are generated at all and records carry no reflection; this is only meaningful with
-``memory_mode="history_only"`` (models trained from scratch that cannot yet write reflections), and
-any other combination is a config error.
+``memory_mode="history_only"`` (models trained from scratch that cannot yet write reflections) or
+``"none"`` (no memory at all), and any other combination is a config error (as is ``"none"`` with
+reflections, which no prompt would show). With ``reflection_words`` a reflect response is constrained
+to ``<remark>`` + 1..``reflection_max_words`` of those words + ``</remark>`` (a ``WordSequence``), the
+way ``constrained_actions`` constrains play rows: a model trained from scratch can write it.
 
 Prompt overflow: when ``max_prompt_tokens`` is set and a rendered prompt is longer, the runner drops
 the oldest memory entries first, then shortens the window W of shown moves; each fix is counted in
@@ -44,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from mage_jax.algorithms.advantages import ANCHOR_MODES
+from mage_jax.constraints import WordSequence
 from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 from mage_jax.envs.base import StepResult, TextEnv, make_env
 from mage_jax.envs.parsing import extract_reflection
@@ -73,7 +77,9 @@ class RunnerConfig:
     ``privileged_reflection``: training reflect prompts show ``env.privileged_observation()`` (Kuhn's
     both-cards quirk; never at evaluation). Play prompts list the legal actions when the environment's
     ``show_admissible`` says so. ``max_response_tokens`` / ``max_reflection_tokens``: per-row
-    generation limits passed to the policy (None: its default).
+    generation limits passed to the policy (None: its default). ``reflection_words`` /
+    ``reflection_max_words``: when words are given, reflect rows are constrained to
+    ``<remark>`` + 1..max of them + ``</remark>``.
     ``keep_text``: rows keep their prompt and response text (debugging; costs memory).
     """
 
@@ -88,6 +94,8 @@ class RunnerConfig:
     max_turns: int | None = None
     max_response_tokens: int | None = None
     max_reflection_tokens: int | None = None
+    reflection_words: tuple[str, ...] = ()
+    reflection_max_words: int = 3
     keep_text: bool = False
 
     def __post_init__(self) -> None:
@@ -99,11 +107,17 @@ class RunnerConfig:
             raise ValueError(f"prompt_style must be one of {STYLES}, got {self.prompt_style!r}")
         if self.anchor not in ANCHOR_MODES:
             raise ValueError(f"anchor must be one of {ANCHOR_MODES}, got {self.anchor!r}")
-        if not self.reflect and self.memory_mode != "history_only" and self.num_episodes > 1:
+        if not self.reflect and self.memory_mode not in ("history_only", "none") and self.num_episodes > 1:
             raise ValueError(
-                f"reflect=False writes no reflections, so memory_mode must be 'history_only' "
+                f"reflect=False writes no reflections, so memory_mode must be 'history_only' or 'none' "
                 f"(got {self.memory_mode!r})"
             )
+        if self.reflect and self.memory_mode == "none" and self.num_episodes > 1:
+            raise ValueError("memory_mode 'none' shows no reflections, so reflect must be False")
+        if self.reflection_words:
+            if not self.reflect:
+                raise ValueError("reflection_words constrain reflections, so reflect must be True")
+            WordSequence(tuple(self.reflection_words), self.reflection_max_words)  # raises on a bad list
         for name in ("max_response_tokens", "max_reflection_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -189,7 +203,7 @@ class _Call:
 
     key: tuple[int, int, int]
     prompt: str | None
-    allowed: tuple[str, ...] | None
+    allowed: tuple[str, ...] | WordSequence | None
     max_new_tokens: int | None
 
 
@@ -438,7 +452,9 @@ class MetaEpisodeRunner:
                                          privileged=privileged)
 
         prompt = self._fit_prompts([render], [[]], [s.env], policy)[0]
-        gen = yield _Call((episode, 1, 0), prompt, None, cfg.max_reflection_tokens)
+        words = (WordSequence(tuple(cfg.reflection_words), cfg.reflection_max_words) if cfg.reflection_words
+                 else None)
+        gen = yield _Call((episode, 1, 0), prompt, words, cfg.max_reflection_tokens)
         text, valid = extract_reflection(gen.text) if gen is not None else ("", False)
         if not valid:
             self._stats["missing_remark"] += 1
@@ -495,7 +511,7 @@ class MetaEpisodeRunner:
     def _generate(
         self,
         prompts: list[str | None],
-        allowed: list[tuple[str, ...] | None],
+        allowed: list[tuple[str, ...] | WordSequence | None],
         max_new_tokens: int | None,
         policy: Policy,
     ) -> list[Generation | None]:

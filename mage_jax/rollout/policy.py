@@ -17,19 +17,20 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import numpy as np
 
-from mage_jax.constraints import automaton_from_completions
+from mage_jax.constraints import WordSequence, automaton_from_completions, automaton_from_word_sequence
 from mage_jax.rollout.engine import EngineRequest
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     """One row to generate. ``allowed_completions``: when set, the response is constrained to be one of
-    these strings (e.g. ``("<action>PASS</action>", "<action>BET</action>")``) followed by EOS.
+    these strings (e.g. ``("<action>PASS</action>", "<action>BET</action>")``) followed by EOS, or to a
+    ``WordSequence`` (a constrained reflection: 1..k words of a list between tags).
     ``max_new_tokens``: a per-row generation limit (play and reflect rows may differ); None: the
     policy's default."""
 
     prompt: str
-    allowed_completions: tuple[str, ...] | None = None
+    allowed_completions: tuple[str, ...] | WordSequence | None = None
     max_new_tokens: int | None = None
 
 
@@ -112,7 +113,9 @@ class RandomLegalPolicy:
         out = []
         for req in requests:
             allowed = req.allowed_completions
-            if allowed:
+            if isinstance(allowed, WordSequence):
+                text = allowed.sample(self._rng)
+            elif allowed:
                 text = allowed[int(self._rng.integers(len(allowed)))]
             else:
                 text = self.reflection if "<remark>" in req.prompt else self.otherwise
@@ -160,7 +163,9 @@ class ScriptedPolicy:
             if not isinstance(text, str):
                 text = ""
             allowed = req.allowed_completions
-            if self.enforce_constraints and allowed and text not in allowed:
+            if self.enforce_constraints and isinstance(allowed, WordSequence):
+                text = text if allowed.accepts(text) else allowed.first()
+            elif self.enforce_constraints and allowed and text not in allowed:
                 text = allowed[0]
             response_ids = self._encode_response(text)
             out.append(
@@ -205,7 +210,7 @@ class LLMPolicy:
         self.rng = rng
         self.max_prompt_tokens = max_prompt_tokens
         self.engine = engine
-        self._automata: dict[tuple[str, ...], Any] = {}
+        self._automata: dict[tuple[str, ...] | WordSequence, Any] = {}
         self._prompt_cache: dict[str, list[int]] = {}
 
     # -- tokens --------------------------------------------------------------------------------
@@ -219,16 +224,28 @@ class LLMPolicy:
     def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
         return [len(ids) for ids in self._encode(prompts)]
 
-    def automaton(self, completions: tuple[str, ...]) -> Any:
+    def automaton(self, completions: tuple[str, ...] | WordSequence) -> Any:
         """The sampler's automaton that accepts exactly ``completions`` (each followed by EOS).
 
-        Completions are tokenized as raw response text (no template, no special tokens).
+        Completions are tokenized as raw response text (no template, no special tokens); every word of
+        a ``WordSequence`` must be one token (the config and the tokenizer build check it).
         """
         if completions not in self._automata:
-            sequences = [self.tokenizer.encode(c) for c in completions]
-            self._automata[completions] = automaton_from_completions(
-                sequences, self.sampler.vocab_size, self.sampler.eos_ids
-            )
+            vocab, eos = self.sampler.vocab_size, self.sampler.eos_ids
+            if isinstance(completions, WordSequence):
+                word_ids = []
+                for word in completions.words:
+                    ids = self.tokenizer.encode(word)
+                    if len(ids) != 1:
+                        raise ValueError(f"reflection word {word!r} is {len(ids)} tokens, not one")
+                    word_ids.append(ids[0])
+                automaton = automaton_from_word_sequence(
+                    self.tokenizer.encode(completions.open_tag), word_ids,
+                    self.tokenizer.encode(completions.close_tag), completions.max_words, vocab, eos)
+            else:
+                sequences = [self.tokenizer.encode(c) for c in completions]
+                automaton = automaton_from_completions(sequences, vocab, eos)
+            self._automata[completions] = automaton
         return self._automata[completions]
 
     def _prompt_limit(self) -> int | None:

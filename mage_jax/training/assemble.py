@@ -80,14 +80,23 @@ def advantage_config(cfg: C.ExperimentConfig) -> AdvantageConfig:
 
 
 def step_config(cfg: C.ExperimentConfig) -> StepConfig:
-    o, r = cfg.optim, cfg.rollout
+    o = cfg.optim
     return StepConfig(
         clip_eps=o.clip_eps, dual_clip=o.dual_clip, entropy_coef=o.entropy_coef, kl_coef=o.kl_coef,
         kl_kind=o.kl_kind, aggregation=o.aggregation, chunk_size=o.logprob_chunk,
-        constraint_len=r.max_response_tokens if r.constrained_actions else 0,
+        constraint_len=constraint_length(cfg),
         micro_batch_rows=o.micro_batch_rows, adapters_only=cfg.model.lora_rank > 0,
         max_update_ratio=o.max_update_ratio,
     )
+
+
+def constraint_length(cfg: C.ExperimentConfig) -> int:
+    """Response tokens the train step replays constraint automata over: the play limit when actions are
+    constrained, the reflection limit too when reflections are; 0 when nothing is constrained."""
+    r = cfg.rollout
+    lengths = [r.max_response_tokens if r.constrained_actions else 0,
+               (r.max_reflection_tokens or r.max_response_tokens) if r.reflection_words else 0]
+    return max(lengths)
 
 
 def runner_config(cfg: C.ExperimentConfig, *, num_episodes: int, privileged_reflection: bool | None = None,
@@ -106,6 +115,8 @@ def runner_config(cfg: C.ExperimentConfig, *, num_episodes: int, privileged_refl
         max_turns=r.max_turns,
         max_response_tokens=r.max_response_tokens,
         max_reflection_tokens=r.max_reflection_tokens or r.max_response_tokens,
+        reflection_words=tuple(r.reflection_words),
+        reflection_max_words=r.reflection_max_words,
         keep_text=keep_text,
     )
 
@@ -226,6 +237,8 @@ def tokenizer_corpus(cfg: C.ExperimentConfig, task_sampler: TaskSampler) -> list
         for row in result.rows:
             texts.append(row.prompt_text or "")
             texts.append(row.response_text or "")
+    if cfg.rollout.reflection_words:  # every word, even one the random reflections never drew
+        texts.append(" ".join(cfg.rollout.reflection_words))
     return texts
 
 
@@ -238,13 +251,23 @@ def build_tokenizer(cfg: C.ExperimentConfig, run_dir: str | None, task_sampler: 
                                          enable_thinking=cfg.tokenizer.enable_thinking)
         saved = os.path.join(run_dir, TOKENIZER_DIR) if run_dir else None
         if saved and os.path.isdir(saved):
-            return Tokenizer.load(saved)
-        tok = Tokenizer.word_level(tokenizer_corpus(cfg, task_sampler))
+            return _with_reflection_words(Tokenizer.load(saved), cfg)
+        tok = _with_reflection_words(Tokenizer.word_level(tokenizer_corpus(cfg, task_sampler)), cfg)
         if saved and shd.is_main_process():  # every process built the same one
             tok.save(saved)
         return tok
     except TokenizerError as err:
         raise C.ConfigError(str(err)) from None
+
+
+def _with_reflection_words(tok: Tokenizer, cfg: C.ExperimentConfig) -> Tokenizer:
+    """``tok`` when every constrained reflection word is one known token of it (one ConfigError otherwise:
+    e.g. a resumed run whose saved vocabulary predates a changed word list)."""
+    unknown = [w for w in cfg.rollout.reflection_words if tok.single_token_id(w) is None]
+    if unknown:
+        raise C.ConfigError(f"rollout.reflection_words {', '.join(unknown)} are not single tokens of the "
+                            "word-level vocabulary (a resumed run keeps the vocabulary it was built with)")
+    return tok
 
 
 def model_config_of(cfg: C.ExperimentConfig, *, hf_config: ModelConfig | None = None,

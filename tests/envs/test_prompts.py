@@ -253,3 +253,9 @@ def test_trimmed_memory_keeps_its_trial_numbers():
     kept = EpisodeRecord(moves=(), reward=-5.0, won=False, reflection="bet less", episode=1)
     text = render_memory([kept], memory_mode="reflection_only")
     assert "trial #2" in text and "trial #1" not in text
+
+
+def test_no_memory_renders_nothing_whatever_the_records_hold():
+    record = EpisodeRecord(moves=(Move("BET", "obs", -1.0),), reward=-1.0, won=False, reflection="bets King")
+    for style in ("full", "compact"):
+        assert render_memory([record, record], memory_mode="none", style=style) == ""

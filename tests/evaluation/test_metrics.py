@@ -114,3 +114,17 @@ def test_empty_or_broken_outcomes_get_a_clear_error():
         compute_metrics([])
     with pytest.raises(ValueError, match="ran no episode"):
         compute_metrics([outcome(0, [], [])])
+
+
+def test_reflections_are_counted_per_opponent_and_seat_most_frequent_first():
+    outs = [
+        outcome(0, [-5.0, -5.0, 5.0], [False, False, True], opponent="a", seat=0,
+                reflections=["bets", "King"]),
+        outcome(1, [-5.0, 5.0], [False, True], opponent="a", seat=0, reflections=["King"]),
+        outcome(2, [-5.0, 5.0], [False, True], opponent="b", seat=1, reflections=["x" * 500]),
+        outcome(3, [5.0], [True], opponent="b", seat=0),
+    ]
+    got = json.loads(json.dumps(compute_metrics(outs, num_episodes=3)))["reflections"]
+    assert got == {"a/seat0": {"count": 3, "top": [["King", 2], ["bets", 1]]},
+                   "b/seat1": {"count": 1, "top": [["x" * 200, 1]]}}
+    assert "reflections" not in compute_metrics(outs[3:], num_episodes=3)

@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from mage_jax.constraints import WordSequence
 from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, TextEnv, register_env
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
@@ -174,6 +175,37 @@ def test_reflect_false_writes_no_reflections_and_needs_history_memory():
     assert "Trial #2, turn by turn" in [r.prompt_text for r in result.rows if r.episode == 2][0]
     with pytest.raises(ValueError, match="history_only"):
         RunnerConfig(num_episodes=3, reflect=False)
+
+
+def test_no_memory_plays_every_episode_with_a_prompt_that_shows_no_earlier_one():
+    result = runner(num_episodes=3, memory_mode="none", reflect=False, keep_text=True).run(
+        tasks_for([4]), scripted(wins_at({})), training=True
+    )
+    assert {r.phase for r in result.rows} == {"play"} and result.outcomes[0].episodes_run == 3
+    plays = {r.episode: r.prompt_text for r in result.rows if r.phase == "play" and r.turn == 0}
+    assert plays[2] == plays[0].replace("trial #1", "trial #3")  # the same prompt but for its number
+    assert "memory" not in plays[2] and "Trial #1" not in plays[2]
+    with pytest.raises(ValueError, match="reflect must be False"):
+        RunnerConfig(num_episodes=3, memory_mode="none")
+
+
+def test_reflection_words_constrain_reflect_rows_to_a_word_sequence():
+    policy = scripted(wins_at({}), remark=lambda p: "<remark>free text</remark>")
+    result = runner(num_episodes=3, memory_mode="reflection_only", reflection_words=("bets", "King"),
+                    reflection_max_words=2, keep_text=True).run(tasks_for([4]), policy, training=True)
+    reflect = [r for call in policy.calls for r in call if is_reflect(r.prompt)]
+    play = [r for call in policy.calls for r in call if not is_reflect(r.prompt)]
+    assert len(reflect) == 2
+    assert {r.allowed_completions for r in reflect} == {WordSequence(("bets", "King"), 2)}
+    assert {r.allowed_completions for r in play} == {None}
+    # The scripted answer is not a word sequence: the constraint forces the first word, which memory shows.
+    assert result.outcomes[0].reflections == ["bets", "bets"]
+    third = [r.prompt_text for r in result.rows if r.phase == "play" and r.episode == 2][0]
+    assert "Your reflection: bets" in third
+    with pytest.raises(ValueError, match="reflect must be True"):
+        RunnerConfig(num_episodes=3, memory_mode="history_only", reflect=False, reflection_words=("a",))
+    with pytest.raises(ValueError, match="distinct"):
+        RunnerConfig(num_episodes=3, reflection_words=("a", "a"))
 
 
 def test_a_missing_remark_is_an_empty_reflection_and_an_invalid_row():

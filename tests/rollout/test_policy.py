@@ -1,22 +1,27 @@
 """Policies: the scripted one for tests and baselines, and the adapter over the real tokenizer + sampler."""
 
+import itertools
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from mage_jax.constraints import TokenAutomaton
+from mage_jax.constraints import TokenAutomaton, WordSequence
+from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
-from mage_jax.rollout.policy import GenerationRequest, LLMPolicy, Policy, ScriptedPolicy
+from mage_jax.rollout.policy import GenerationRequest, LLMPolicy, Policy, RandomLegalPolicy, ScriptedPolicy
 from mage_jax.rollout.rows import pack_rows
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 from mage_jax.sampling import Sampler, SamplingParams
 from mage_jax.tokenizer import Tokenizer
+from mage_jax.training.train_step import StepConfig, TrainBatch, TrainStep
 from tests.tiny_models import SMALLEST_DECODER
 
 ACTIONS = ("<action>PASS</action>", "<action>BET</action>")
+WORDS = ("bets", "King", "weak")
 
 
 def test_scripted_policy_answers_in_order_records_calls_and_obeys_constraints():
@@ -27,6 +32,15 @@ def test_scripted_policy_answers_in_order_records_calls_and_obeys_constraints():
     assert list(out[0].response_ids) == list(b"AB") and list(out[0].logprobs) == [0.0, 0.0]
     assert policy.prompt_lengths(["abc", ""]) == [3, 0]
     assert [[r.prompt for r in call] for call in policy.calls] == [["ab", "c"]]
+
+
+def test_scripted_and_random_policies_obey_a_word_sequence():
+    words = WordSequence(WORDS, max_words=2)
+    scripted = ScriptedPolicy(lambda p: "<remark>King weak</remark>" if p == "ok" else "<remark>why</remark>")
+    out = scripted.generate([GenerationRequest("ok", words), GenerationRequest("no", words)])
+    assert [g.text for g in out] == ["<remark>King weak</remark>", "<remark>bets</remark>"]
+    texts = [g.text for g in RandomLegalPolicy(0).generate([GenerationRequest("x", words)] * 50)]
+    assert all(words.accepts(t) for t in texts) and len(set(texts)) > 5
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +55,7 @@ def kuhn_llm():
         r.prompt_text
         for r in MetaEpisodeRunner("kuhn_poker", {}, cfg).run(tasks, scripted, training=True).rows
     ]
-    tokenizer = Tokenizer.word_level(corpus + list(ACTIONS) + ["<remark> </remark>"])
+    tokenizer = Tokenizer.word_level(corpus + list(ACTIONS) + ["<remark> " + " ".join(WORDS) + " </remark>"])
     config = ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size, **SMALLEST_DECODER)
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     sampler = Sampler(
@@ -87,3 +101,31 @@ def test_llm_policy_skips_prompts_it_cannot_feed_to_the_model(kuhn_llm):
     out = policy.generate([GenerationRequest("PASS " * 50), GenerationRequest("BET", max_new_tokens=2)])
     assert out[0].skipped and out[0].text == "" and len(out[0].response_ids) == 0
     assert not out[1].skipped and 1 <= len(out[1].response_ids) <= 2
+
+
+def test_constrained_reflections_are_sampled_under_the_automaton_the_train_step_replays(kuhn_llm):
+    """Reflect rows decoded under ``<remark>`` + 1..2 words + ``</remark>``: every reflection is such a text,
+    and the train step's recomputed log-probs (automata replayed from the packed rows) are the sampler's."""
+    tasks, tokenizer, sampler, state = kuhn_llm
+    policy = LLMPolicy(tokenizer, sampler, state, SamplingParams(max_new_tokens=6), jax.random.key(3), 256)
+    cfg = RunnerConfig(num_episodes=3, prompt_style="compact", constrained_actions=True,
+                       max_prompt_tokens=256, reflection_words=WORDS, reflection_max_words=2, keep_text=True)
+    result = MetaEpisodeRunner("kuhn_poker", {}, cfg).run(tasks, policy, training=True)
+    reflect = [r for r in result.rows if r.phase == "reflect"]
+    assert reflect and all(isinstance(r.constraint, TokenAutomaton) for r in reflect)
+    words = WordSequence(WORDS, max_words=2)
+    assert all(r.valid and words.accepts(r.response_text) for r in reflect)
+    assert {t for o in result.outcomes for t in o.reflections} <= {
+        " ".join(w) for m in (1, 2) for w in itertools.product(WORDS, repeat=m)}
+    packed = pack_rows(result.rows, row_bucket=8, length_buckets=(256,), pad_id=tokenizer.pad_id)
+    step = TrainStep(sampler.graphdef, None, None, StepConfig(constraint_len=6, chunk_size=64),
+                     shd.make_mesh(shd.MeshConfig(data=1, fsdp=1, tensor=1)))
+    batch = TrainBatch.from_packed(packed, np.arange(packed.tokens.shape[0]), constrained=True)
+    got = np.asarray(step.compute_logprobs(state, step.place_batch(batch)))
+    rows = len(result.rows)
+    is_reflect = np.asarray([r.phase == "reflect" for r in result.rows] + [False] * (len(got) - rows))
+    mask = batch.response_mask & is_reflect[:, None]
+    assert mask.sum() >= 3 * len(reflect)  # <remark>, a word, </remark>, EOS of every reflection
+    np.testing.assert_allclose(got[mask], packed.sampling_logprobs[mask], atol=2e-5)
+    free = np.asarray(step.compute_logprobs(state, step.place_batch(batch.replace(transitions=None))))
+    assert (free[mask] < got[mask] - 1e-6).any()  # the replayed automaton is what makes them agree

@@ -6,7 +6,15 @@ import pytest
 
 from mage_jax import config as C
 from mage_jax.rollout.attempts import IndependentAttemptsRunner
-from mage_jax.training.assemble import env_options, make_eval_runner, make_runner
+from mage_jax.training.assemble import (
+    build_tokenizer,
+    constraint_length,
+    env_options,
+    make_eval_runner,
+    make_runner,
+    make_task_sampler,
+    runner_config,
+)
 
 WORD_LEVEL = {"tokenizer.kind": "word_level"}
 
@@ -39,3 +47,21 @@ def test_evaluation_runner_plays_the_evaluation_episodes_in_either_mode():
     assert attempts.base.config.privileged_reflection is False
     with pytest.raises(C.ConfigError, match="eval_mode"):
         make_eval_runner(cfg, "sometimes")
+
+
+def test_constrained_reflection_words_join_the_vocabulary_and_a_resumed_one_must_hold_them(tmp_path):
+    words = {**WORD_LEVEL, "rollout.prompt_style": "compact", "rollout.constrained_actions": True,
+             "rollout.max_response_tokens": 8, "tokenizer.corpus_meta_episodes": 8,
+             "rollout.reflection_words": ["bets", "zebra"], "rollout.reflection_max_words": 2}
+    cfg = C.validate(C.apply_overrides(C.ExperimentConfig(), words))
+    tok = build_tokenizer(cfg, str(tmp_path), make_task_sampler(cfg))
+    assert tok.single_token_id("zebra") is not None  # a word no prompt holds
+    assert runner_config(cfg, num_episodes=3).reflection_words == ("bets", "zebra")
+    assert constraint_length(cfg) == 8
+    assert constraint_length(C.apply_overrides(cfg, {"rollout.max_reflection_tokens": 12})) == 12
+    assert constraint_length(C.apply_overrides(cfg, {"rollout.reflection_words": [],
+                                                     "rollout.constrained_actions": False})) == 0
+    grown = C.apply_overrides(cfg, {"rollout.reflection_words": ["bets", "zebra", "giraffe"]})
+    with pytest.raises(C.ConfigError, match="rollout.reflection_words giraffe are not single tokens") as err:
+        build_tokenizer(grown, str(tmp_path), make_task_sampler(grown))  # the saved vocabulary is loaded
+    assert "\n" not in str(err.value)
