@@ -87,8 +87,11 @@ def run_groups(groups: Sequence[Group], timeout: float = 600, *, check: bool = T
                                                   stdout=out, stderr=err), out, err))
         deadline = time.monotonic() + timeout
         timed_out = False
-        while any(p.poll() is None for _, p, _, _ in procs):
-            failed = any(p.returncode not in (None, 0) for _, p, _, _ in procs)
+        while True:
+            codes = [p.poll() for _, p, _, _ in procs]  # every process polled: a failure anywhere shows now
+            if None not in codes:
+                break
+            failed = any(code not in (None, 0) for code in codes)
             timed_out = time.monotonic() > deadline
             if failed or timed_out:
                 for _, p, _, _ in procs:
