@@ -25,9 +25,9 @@ from mage_jax.training.assemble import build_parts  # noqa: E402
 from mage_jax.training.trainer import Trainer  # noqa: E402
 
 OVERRIDES = {
-    "rollout.num_tasks": 4, "rollout.group_size": 4, "rollout.num_episodes": 2, "optim.mini_batch_rows": 16,
+    "rollout.num_tasks": 4, "rollout.group_size": 4, "optim.mini_batch_rows": 16,
     "train.iterations": 1, "train.eval_every": 0, "train.eval_meta_episodes": 8,
-    "train.eval_heldout_meta_episodes": 8, "tokenizer.corpus_meta_episodes": 8,
+    "train.eval_heldout_meta_episodes": 8, "tokenizer.corpus_meta_episodes": 32,
     "rollout.length_buckets": [512], "checkpoint.every": 1, "logging.progress": False, "logging.plots": False,
     "mesh.data": -1, "mesh.fsdp": 1,
 }
