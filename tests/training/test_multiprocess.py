@@ -30,7 +30,7 @@ def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
     # The reference and the two-process run start together (three interpreters, not one after the other).
     reference, group = run_groups([Group(SCRIPT, n=1, devices_per_process=8, args=(str(tmp_path / "one"),)),
                                    Group(SCRIPT, n=2, devices_per_process=4, args=(str(tmp_path / "two"),))],
-                                  timeout=900)
+                                  timeout=1800)  # both runs together: the two 900 s limits they had apart
     (one,), two = _results(reference), _results(group)
     assert (one["processes"], one["devices"]) == (1, 8)
     assert [(r["process"], r["processes"], r["devices"]) for r in two] == [(0, 2, 8), (1, 2, 8)]
