@@ -132,6 +132,31 @@ QWEN3_SHAPES = {
 }
 
 
+def model_parser(doc: str, *, out: str) -> argparse.ArgumentParser:
+    """A parser with the options every model benchmark takes (``--shape``, ``--threads``, ``--seed``,
+    ``--out``; the description is the first paragraph of ``doc``); the caller adds its sizes."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--shape", default="27m", choices=sorted(QWEN3_SHAPES))
+    parser.add_argument("--threads", type=int, default=1, help="CPUs for each side (0: leave as is)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=out)
+    return parser
+
+
+def write_model_report(name: str, fields: dict[str, Any], out: str | Path, *, load_before: float
+                       ) -> dict[str, Any]:
+    """The report of a model benchmark: its name and command, ``fields``, then the 1-minute load average
+    before (``load_before``) and now, and the machine; printed and written to ``out``."""
+    report = {
+        "benchmark": name,
+        "command": f"python -m experiments.benchmarks.{name}",
+        **fields,
+        "load_avg_1m": {"before": load_before, "after": load_average()},
+        "machine": machine(),
+    }
+    return write_report(report, out)
+
+
 def build_hf_checkpoint(folder: str, shape: dict[str, Any], seed: int) -> Any:
     """A random Qwen3 model saved to ``folder`` as safetensors (our loader reads it back, so both sides
     run identical weights); returns the torch model."""

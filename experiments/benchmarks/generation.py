@@ -20,7 +20,6 @@ Prints JSON and writes it to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import tempfile
 import time
@@ -33,10 +32,10 @@ from experiments.benchmarks.common import (
     QWEN3_SHAPES,
     build_hf_checkpoint,
     load_average,
-    machine,
+    model_parser,
     pinned_threads,
     spread,
-    write_report,
+    write_model_report,
 )
 
 
@@ -102,18 +101,14 @@ def summarize(full: list[float], prefill: list[float], counts: list[int], batch:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="27m", choices=sorted(QWEN3_SHAPES))
+    parser = model_parser(__doc__, out="runs/benchmarks/generation.json")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="CPUs for each side (0: leave as is)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="our compute dtype")
     parser.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/benchmarks/generation.json")
     args = parser.parse_args(argv)
     if min(args.batch, args.prompt_len, args.repeats) < 1 or args.new_tokens < 2 or args.threads < 0:
         parser.error("--batch, --prompt-len, --repeats must be positive, --new-tokens >= 2, --threads >= 0")
@@ -154,8 +149,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return lambda i: 1.0 / d if (d := r["full"][i] - r["prefill"][i]) > 0 else float("inf")
 
     report = {
-        "benchmark": "generation",
-        "command": "python -m experiments.benchmarks.generation",
         "model": {"architecture": "qwen3", "parameters": int(sum(p.numel() for p in hf_model.parameters())),
                   **shape},
         "batch": args.batch,
@@ -174,10 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "prefill": ratio(lambda i: 1.0 / ours_r["prefill"][i], lambda i: 1.0 / hf_r["prefill"][i]),
             "decode": ratio(decode(ours_r), decode(hf_r)),
         },
-        "load_avg_1m": {"before": load_before, "after": load_average()},
-        "machine": machine(),
     }
-    return write_report(report, args.out)
+    return write_model_report("generation", report, args.out, load_before=load_before)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Prints JSON and writes it to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
@@ -32,7 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from experiments.benchmarks.common import QWEN3_SHAPES, load_average, machine, pinned_threads, write_report
+from experiments.benchmarks.common import (
+    QWEN3_SHAPES,
+    load_average,
+    model_parser,
+    pinned_threads,
+    write_model_report,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,19 +196,15 @@ def step_summary(products: list[Product], results: list[dict[str, Any]]) -> dict
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="27m", choices=sorted(QWEN3_SHAPES))
+    parser = model_parser(__doc__, out="runs/benchmarks/matmul.json")
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="CPUs for each side (0: leave as is)")
     parser.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before XLA starts")
     parser.add_argument("--alt-option", action="append", default=[], metavar="NAME=VALUE",
                         help="XLA debug option of a third side, ours compiled again with it (repeatable), "
                              "e.g. xla_cpu_experimental_ynn_fusion_type= (library dots off: XLA's own)")
     parser.add_argument("--only", default="", help="run only products whose name contains this text")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/benchmarks/matmul.json")
     args = parser.parse_args(argv)
     if args.rows < 1 or args.length < 1 or args.repeats < 1 or args.threads < 0:
         parser.error("--rows, --length and --repeats must be positive and --threads >= 0")
@@ -225,8 +226,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with pinned_threads(args.threads) as threads:
         results = [time_product(p, args.repeats, rng, alt_options) for p in products]
     report = {
-        "benchmark": "matmul",
-        "command": "python -m experiments.benchmarks.matmul",
         "model": {"architecture": "qwen3", **shape},
         "batch": {"rows": args.rows, "length": args.length, "tokens": args.rows * args.length},
         "repeats": args.repeats,
@@ -234,10 +233,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "alt_options": alt_options,
         "products": results,
         "step": step_summary(products, results),
-        "load_avg_1m": {"before": load_before, "after": load_average()},
-        "machine": machine(),
     }
-    return write_report(report, args.out)
+    return write_model_report("matmul", report, args.out, load_before=load_before)
 
 
 if __name__ == "__main__":

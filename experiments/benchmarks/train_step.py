@@ -25,7 +25,6 @@ run, with the load average before and after. Prints JSON and writes it to ``--ou
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import tempfile
@@ -39,11 +38,11 @@ from experiments.benchmarks.common import (
     QWEN3_SHAPES,
     build_hf_checkpoint,
     load_average,
-    machine,
     matmul_peak,
+    model_parser,
     pinned_threads,
     spread,
-    write_report,
+    write_model_report,
 )
 
 OPTIM = dict(lr=1e-6, b1=0.9, b2=0.999, weight_decay=0.01, grad_clip=1.0)
@@ -224,17 +223,13 @@ def side_report(times: list[float], tokens: int, flops: float, peak: float) -> d
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="27m", choices=sorted(QWEN3_SHAPES))
+    parser = model_parser(__doc__, out="runs/benchmarks/train_step.json")
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="CPUs for each side (0: leave as is)")
     parser.add_argument("--order", default="interleaved", choices=("interleaved", "blocked"))
     parser.add_argument("--peak-size", type=int, default=2048, help="side of the f32 matmul peak probe")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/benchmarks/train_step.json")
     args = parser.parse_args(argv)
     if args.rows < 1 or args.repeats < 1 or args.threads < 0 or not 1 < args.prompt_len < args.length:
         parser.error("--rows and --repeats must be positive, --threads >= 0 and 1 < --prompt-len < --length")
@@ -258,8 +253,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report_torch = side_report(times["torch"], tokens, flops, peak["torch_gflops"])
     ratios = [t / o for o, t in zip(times["ours"], times["torch"], strict=True)]
     report = {
-        "benchmark": "train_step",
-        "command": "python -m experiments.benchmarks.train_step",
         "model": {"architecture": "qwen3", "parameters": int(n_params), **shape},
         "batch": {"rows": args.rows, "length": args.length, "prompt_len": args.prompt_len,
                   "response_targets_per_row": int(batch.response_mask[0].sum())},
@@ -274,10 +267,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  "first_call_s": round(compile_s, 2), **our_facts},
         "torch": {**report_torch, "first_call_s": round(warm_torch, 2), **torch_facts},
         "speedup_ours_over_torch": spread(ratios),
-        "load_avg_1m": {"before": load_before, "after": load_average()},
-        "machine": machine(),
     }
-    return write_report(report, args.out)
+    return write_model_report("train_step", report, args.out, load_before=load_before)
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ from experiments.benchmarks.common import (
     QWEN3_SHAPES,
     build_hf_checkpoint,
     load_average,
-    machine,
+    model_parser,
     pinned_threads,
-    write_report,
+    write_model_report,
 )
 from experiments.benchmarks.train_step import build_ours, build_torch, make_batch
 
@@ -141,16 +141,12 @@ def _group(rows: list[dict[str, Any]], key) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="27m", choices=sorted(QWEN3_SHAPES))
+    parser = model_parser(__doc__, out="runs/benchmarks/train_step_profile.json")
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/benchmarks/train_step_profile.json")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rows < 1 or not 1 < args.prompt_len < args.length:
         parser.error("--steps and --rows must be positive and 1 < --prompt-len < --length")
@@ -161,12 +157,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dump_flags = (f"--xla_dump_to={dump} --xla_dump_hlo_as_text "
                       "--xla_dump_hlo_module_re=.*grads_fn.*|.*apply_fn.*")
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TRACE_FLAG} {dump_flags}".strip()
-        report = _profile(args, shape, folder, dump, load_before)
-    return write_report(report, args.out)
+        report = _profile(args, shape, folder, dump)
+    return write_model_report("train_step_profile", report, args.out, load_before=load_before)
 
 
-def _profile(args: argparse.Namespace, shape: dict[str, Any], folder: str, dump: str,
-             load_before: float) -> dict[str, Any]:
+def _profile(args: argparse.Namespace, shape: dict[str, Any], folder: str, dump: str) -> dict[str, Any]:
     with pinned_threads(args.threads) as threads:
         hf_model = build_hf_checkpoint(folder, shape, args.seed)
         batch = make_batch(args.rows, args.length, args.prompt_len, shape["vocab_size"], args.seed)
@@ -189,8 +184,6 @@ def _profile(args: argparse.Namespace, shape: dict[str, Any], folder: str, dump:
     our_rows.sort(key=lambda r: -r["seconds"])
     torch_rows.sort(key=lambda r: -r["seconds"])
     report = {
-        "benchmark": "train_step_profile",
-        "command": "python -m experiments.benchmarks.train_step_profile",
         "model": {"architecture": "qwen3", **shape},
         "batch": {"rows": args.rows, "length": args.length, "prompt_len": args.prompt_len},
         "steps": args.steps,
@@ -207,8 +200,6 @@ def _profile(args: argparse.Namespace, shape: dict[str, Any], folder: str, dump:
             "by_category": _group(torch_rows, lambda r: _torch_category(r["op"])),
             "top": [{**r, "seconds": round(r["seconds"], 4)} for r in torch_rows[:args.top]],
         },
-        "load_avg_1m": {"before": load_before, "after": load_average()},
-        "machine": machine(),
     }
     return report
 

@@ -22,7 +22,8 @@ from tests.models.conftest import jax_logits
 SHORT = {"rollout.max_prompt_tokens": 1024, "rollout.max_response_tokens": 12,
          "rollout.max_reflection_tokens": 12, "rollout.max_turns": 2, "checkpoint.every": 1,
          "optim.lr": 1e-2, "train.stop_when_all_invalid": False,  # a random model writes no valid answer
-         "model.dtype": "float32"}  # float32 activations: the export is compared with transformers' logits
+         "model.dtype": "float32",  # float32 activations: the export is compared with transformers' logits
+         "train.eval_heldout_meta_episodes": 0}  # the final evaluation of the held-out pool is not under test
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +41,11 @@ def lora_run(tmp_path_factory, request):
     return run_dir, model_path
 
 
-def restored(run_dir, step):
+def restored(run_dir, *steps):
+    """The run's parts (built once) and its parameters at each checkpoint of ``steps``."""
     cfg = C.load(str(run_dir))
     parts = build_parts(cfg, str(run_dir))
-    params, _ = parts.restore_params(checkpoint_dir(cfg, str(run_dir)), step)
-    return parts, params
+    return parts, [parts.restore_params(checkpoint_dir(cfg, str(run_dir)), step)[0] for step in steps]
 
 
 def test_a_lora_run_trains_only_the_adapters_and_resumes(lora_run):
@@ -54,8 +55,7 @@ def test_a_lora_run_trains_only_the_adapters_and_resumes(lora_run):
     with Checkpointer(checkpoint_dir(cfg, str(run_dir))) as ckpt:
         assert ckpt.latest_step() == 2
     folder = load_hf_params(model_path)[2]
-    parts, first = restored(run_dir, 1)
-    _, second = restored(run_dir, 2)
+    _, (first, second) = restored(run_dir, 1, 2)
     (adapters_1, base_1), (adapters_2, base_2) = lora.split_adapters(first), lora.split_adapters(second)
     for want, a, b in zip(jax.tree.leaves(folder), jax.tree.leaves(base_1), jax.tree.leaves(base_2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(want))  # the base never moves
@@ -77,7 +77,7 @@ def test_the_export_of_a_lora_run_is_the_merged_model_in_transformers(lora_run, 
     names = json.loads((out / "config.json").read_text())
     assert "lora_rank" not in names
     model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
-    parts, params = restored(run_dir, 2)
+    parts, (params,) = restored(run_dir, 2)
     [ids] = parts.tokenizer.encode_prompts(["Your Card: K | Actions: Player 0: BET"])
     tokens = np.asarray([ids], np.int32)
     want = jax_logits(nnx.merge(parts.graphdef, params), tokens, np.ones_like(tokens, bool),

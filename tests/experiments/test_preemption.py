@@ -44,17 +44,9 @@ def checkpoint_meta(run_dir, step):
     return json.loads((run_dir / "checkpoints" / str(step) / "meta" / "metadata").read_text())
 
 
-@pytest.mark.parametrize("every", [0, 1])
-def test_a_signal_during_the_updates_saves_the_iteration_start_exits_75_and_resumes_identically(
-        reference, tmp_path, monkeypatch, capsys, every):
-    """SIGTERM right after iteration 2's second update: its third is never run, iteration 1's state (not
-    the half-updated one) is on disk, the exit status is 75 and the resumed run ends as the reference.
-
-    checkpoint.every=0: iteration 1 is not on disk, so iteration 2's first update keeps the state it
-    started from (no donation) and that state is saved. checkpoint.every=1: it is on disk, every update
-    donates, and nothing more is saved."""
-    reference_dir, args = reference
-    run_dir = tmp_path / "run"
+def sigterm_after_second_update_of_iteration_2(monkeypatch) -> dict:
+    """Hook the trainer so that SIGTERM is sent right after iteration 2's second PPO update; returns what
+    the hooks see: ``updates`` (each update's ``donate`` flag in iteration 2) and ``sent`` (when)."""
     original_iteration, original_update = trainer_module.Trainer.train_iteration, TrainStep.update
     seen = {"iteration": 0, "updates": [], "sent": None}
 
@@ -73,6 +65,21 @@ def test_a_signal_during_the_updates_saves_the_iteration_start_exits_75_and_resu
 
     monkeypatch.setattr(trainer_module.Trainer, "train_iteration", train_iteration)
     monkeypatch.setattr(TrainStep, "update", update)
+    return seen
+
+
+@pytest.mark.parametrize("every", [0, 1])
+def test_a_signal_during_the_updates_saves_the_iteration_start_exits_75_and_resumes_identically(
+        reference, tmp_path, monkeypatch, capsys, every):
+    """SIGTERM right after iteration 2's second update: its third is never run, iteration 1's state (not
+    the half-updated one) is on disk, the exit status is 75 and the resumed run ends as the reference.
+
+    checkpoint.every=0: iteration 1 is not on disk, so iteration 2's first update keeps the state it
+    started from (no donation) and that state is saved. checkpoint.every=1: it is on disk, every update
+    donates, and nothing more is saved."""
+    reference_dir, args = reference
+    run_dir = tmp_path / "run"
+    seen = sigterm_after_second_update_of_iteration_2(monkeypatch)
     argv = [*args, "--set", f"checkpoint.every={every}", "--run-dir", str(run_dir)]
     assert kuhn_poker.main(argv) == EXIT_INTERRUPTED
     seconds = time.perf_counter() - seen["sent"]
@@ -93,23 +100,7 @@ def test_without_stop_during_updates_no_copy_is_kept_and_the_updates_finish_firs
     same signal is honoured only after iteration 2's updates, at its evaluation's first turn."""
     reference_dir, args = reference
     run_dir = tmp_path / "run"
-    original_iteration, original_update = trainer_module.Trainer.train_iteration, TrainStep.update
-    seen = {"iteration": 0, "updates": []}
-
-    def train_iteration(self, iteration):
-        seen["iteration"] = iteration
-        return original_iteration(self, iteration)
-
-    def update(self, state, batch, lr_scale=1.0, *, donate=True):
-        if seen["iteration"] == 2:
-            seen["updates"].append(donate)
-        out = original_update(self, state, batch, lr_scale, donate=donate)
-        if seen["iteration"] == 2 and len(seen["updates"]) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-
-    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", train_iteration)
-    monkeypatch.setattr(TrainStep, "update", update)
+    seen = sigterm_after_second_update_of_iteration_2(monkeypatch)
     argv = [*args, "--set", "checkpoint.stop_during_updates=false", "--run-dir", str(run_dir)]
     assert kuhn_poker.main(argv) == EXIT_INTERRUPTED
     records = read_jsonl(str(run_dir))
