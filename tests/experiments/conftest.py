@@ -22,6 +22,7 @@ SMOKE = {
     "train.eval_every": 0,
     "train.eval_meta_episodes": 4,
     "train.eval_heldout_meta_episodes": 4,
+    "train.validation_meta_episodes": 4,
     "tokenizer.corpus_meta_episodes": 8,
     "logging.progress": False,
     "logging.plots": False,

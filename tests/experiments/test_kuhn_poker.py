@@ -61,7 +61,8 @@ def test_main_job_writes_a_complete_run_directory(finished_run, capsys):
     assert 0 < ref["winnable"] <= 1 and len(ref["best_fixed_payoff"]) == 2
     assert summary["evaluation"]["heldout"]["metrics"]["by_opponent"].keys() == {"cfr"}
     assert summary["skipped_updates"] == sum(r["skipped"] for r in records if r["split"] == "train") == 0
-    assert {"eval_success.png", "eval_payoff.png", "heldout_success.png", "training.png"} <= set(
+    assert {"eval_success.png", "eval_payoff.png", "heldout_success.png", "training.png",
+            "diagnostics.png"} <= set(
         os.listdir(run_dir / "plots"))
     table = results_table(summary, kuhn_poker.SPEC.titles)
     assert "held-out CFR opponent" in table and "ceiling" in table
