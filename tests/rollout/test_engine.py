@@ -203,18 +203,22 @@ _SHARDED = textwrap.dedent(
     config = ModelConfig.preset("tiny", vocab_size=64, num_layers=2, hidden_size=64, intermediate_size=128)
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    requests = [EngineRequest(i, tuple(range(4 + i, 9 + 2 * i)), 6, None, (i, 0, 0)) for i in range(12)]
+    # Uneven limits free slots in the middle of the blocks: running slots move to the front of theirs.
+    requests = [EngineRequest(i, tuple(range(4 + i % 9, 14 + i % 7)), 1 + (5 * i) % 6, None, (i, 0, 0))
+                for i in range(24)]
     out = {}
     for name, mesh in (("one", None), ("data2_fsdp4", make_mesh(MeshConfig(data=2, fsdp=4, tensor=1)))):
         placed = state if mesh is None else shard_state(state, mesh)
         sampler = Sampler(graphdef, config, eos_ids=[3], pad_id=0, prompt_buckets=(16,), batch_buckets=(8,),
                           mesh=mesh)
-        engine = RolloutEngine(sampler, slots=8, max_new_tokens=6, chunk=2)
+        engine = RolloutEngine(sampler, slots=16, max_new_tokens=6, chunk=2)
         session = engine.session(placed, params, jax.random.key(0))
         results = generate_all(session, requests)
         k = session.slots.cache.k[0]
         out[name] = {
-            "tokens": [results[i].tokens.tolist() for i in range(12)],
+            "tokens": [results[i].tokens.tolist() for i in range(24)],
+            "moves": session.stats.moves, "bucket_steps": session.stats.bucket_steps,
+            "compiles": engine.compile_count,
             "cache_bytes": [k.nbytes, max(s.data.nbytes for s in k.addressable_shards)],
             "cache_devices": len({s.device for s in k.addressable_shards}),
             "slot_bytes": [session.slots.tokens.nbytes,
@@ -233,8 +237,11 @@ def test_slots_and_their_cache_shard_over_the_mesh_batch_axes_on_8_devices():
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     one, sharded = result["one"], result["data2_fsdp4"]
     assert sharded["tokens"] == one["tokens"]
+    # Slots moved within their device's block, and chunks ran over one slot per device (8 rows).
+    assert sharded["moves"] > 0 and sharded["bucket_steps"].get("8", 0) > 0
+    assert set(sharded["bucket_steps"]) <= {"8", "16"}
     total, per_device = sharded["cache_bytes"]
-    assert total == one["cache_bytes"][0] and per_device * 8 == total  # 8 slots, one per device
+    assert total == one["cache_bytes"][0] and per_device * 8 == total  # 16 slots, two per device
     assert sharded["cache_devices"] == 8
     assert sharded["slot_bytes"][1] * 8 == sharded["slot_bytes"][0]
     assert one["cache_bytes"][1] == one["cache_bytes"][0]
