@@ -6,12 +6,14 @@ environment; identical prompts are prefilled once; nothing recompiles once warm.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import types
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,11 +25,21 @@ from mage_jax import config as C
 from mage_jax.constraints import automaton_from_completions
 from mage_jax.envs.alfworld import write_tiny_alfred_game
 from mage_jax.models.config import ModelConfig
+from mage_jax.models.sharding import param_shardings
 from mage_jax.models.transformer import Transformer
 from mage_jax.rollout.engine import EngineRequest, RolloutEngine, generate_all
 from mage_jax.rollout.policy import LLMPolicy
 from mage_jax.sampling import Sampler, SamplingParams
-from mage_jax.training.assemble import build_parts, make_engine
+from mage_jax.tokenizer import Tokenizer
+from mage_jax.training.assemble import (
+    build_model,
+    make_engine,
+    make_mesh,
+    make_runner,
+    make_sampler,
+    make_task_sampler,
+    tokenizer_corpus,
+)
 from tests.tiny_models import SMALLEST_DECODER
 
 TIMING = {"rollout_seconds"}
@@ -47,26 +59,45 @@ def tiny_config(env: str, data_dir: str | None = None, **rollout):
     overrides = {
         **({"env.data_dir": data_dir} if data_dir else {}),
         "rollout.num_tasks": 2, "rollout.group_size": 2, "rollout.num_episodes": 2, "rollout.max_turns": 3,
-        "rollout.max_response_tokens": 12, "rollout.max_reflection_tokens": 10,
-        "model.overrides": SMALLEST_DECODER, "tokenizer.corpus_meta_episodes": 8,
+        "rollout.max_response_tokens": 12, "rollout.max_reflection_tokens": 6,
+        "model.overrides": SMALLEST_DECODER, "tokenizer.corpus_meta_episodes": 4,
         "train.eval_meta_episodes": 4,
-        "train.eval_heldout_meta_episodes": 4, "rollout.engine_slots": 3, "rollout.engine_chunk": 4,
+        "train.eval_heldout_meta_episodes": 4, "rollout.engine_slots": 3, "rollout.engine_chunk": 2,
         **{f"rollout.{k}": v for k, v in rollout.items()},
     }
     return environment(env).config("tiny", overrides)
 
 
-def greedy_policy(parts, engine):
-    r = parts.cfg.rollout
-    longest = max(r.max_response_tokens, r.max_reflection_tokens)
-    params = SamplingParams(temperature=0.0, max_new_tokens=longest)
-    return LLMPolicy(parts.tokenizer, parts.sampler, parts.init_params, params, jax.random.key(0),
-                     max_prompt_tokens=r.max_prompt_tokens, engine=engine)
+@dataclasses.dataclass(frozen=True)
+class SharedModel:
+    """One tokenizer, model, lockstep sampler and engine for every environment: their programs compile
+    once for all of them (compiling dominates these tests on a CPU)."""
+
+    cfgs: dict
+    tokenizer: Any
+    sampler: Sampler
+    params: Any
+    engine: RolloutEngine
 
 
-def rollout(parts, engine):
-    tasks = parts.task_sampler.sample_train(0)
-    return parts.train_runner.run(tasks, greedy_policy(parts, engine), training=True)
+@pytest.fixture(scope="module")
+def shared_model(alfworld_data) -> SharedModel:
+    cfgs = {env: tiny_config(env, alfworld_data if env == "alfworld" else None)
+            for env in sorted(ENVIRONMENTS)}
+    corpus = [text for cfg in cfgs.values() for text in tokenizer_corpus(cfg, make_task_sampler(cfg))]
+    tokenizer = Tokenizer.word_level(corpus)
+    # One prompt bucket, as long as the longest prompt limit of any environment (one prefill program).
+    longest = max(cfg.rollout.max_prompt_tokens for cfg in cfgs.values())
+    base = cfgs["kuhn_poker"]
+    base = dataclasses.replace(base, rollout=dataclasses.replace(
+        base.rollout, max_prompt_tokens=longest, length_buckets=(longest,)))
+    mesh = make_mesh(base)
+    model_config, graphdef, params = build_model(base, tokenizer, mesh)
+    sampler = make_sampler(base, mesh, model_config, graphdef, param_shardings(params, mesh),
+                           eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
+    engine = make_engine(base, sampler, mesh)
+    assert engine is not None  # the engine is the default
+    return SharedModel(cfgs, tokenizer, sampler, params, engine)
 
 
 def assert_same_rollout(a, b):
@@ -87,15 +118,24 @@ def assert_same_rollout(a, b):
 
 
 @pytest.mark.parametrize("env", sorted(ENVIRONMENTS))
-def test_greedy_engine_rollout_equals_the_lockstep_rollout_on_every_environment(env, tmp_path, request):
-    data = request.getfixturevalue("alfworld_data") if env == "alfworld" else None
-    parts = build_parts(tiny_config(env, data), str(tmp_path))
-    assert parts.engine is not None  # the engine is the default
-    lockstep = rollout(parts, None)
-    engine = rollout(parts, parts.engine)
+def test_greedy_engine_rollout_equals_the_lockstep_rollout_on_every_environment(env, shared_model):
+    cfg = shared_model.cfgs[env]
+    r = cfg.rollout
+    policy = functools.partial(
+        LLMPolicy, shared_model.tokenizer, shared_model.sampler, shared_model.params,
+        SamplingParams(temperature=0.0, max_new_tokens=max(r.max_response_tokens, r.max_reflection_tokens)),
+        jax.random.key(0), max_prompt_tokens=r.max_prompt_tokens)
+    tasks = make_task_sampler(cfg).sample_train(0)
+    runner = make_runner(cfg, num_episodes=r.num_episodes)
+    lockstep = runner.run(tasks, policy(engine=None), training=True)
+    engine = runner.run(tasks, policy(engine=shared_model.engine), training=True)
     assert_same_rollout(lockstep, engine)
-    # Responses of different lengths finished out of order: the engine really interleaved turns.
-    assert lockstep.stats["rows"] > parts.engine.num_slots
+    stats = shared_model.engine.last_stats
+    # Responses of different lengths finished out of order: the engine really interleaved turns, moved
+    # running slots down into freed ones and decoded smaller slot buckets.
+    assert lockstep.stats["rows"] > shared_model.engine.num_slots
+    print(env, stats)
+    assert stats.moves > 0 and min(stats.bucket_steps) < shared_model.engine.num_slots
 
 
 # ------------------------------------------------------------------------------------ engine alone
