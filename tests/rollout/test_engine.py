@@ -59,7 +59,8 @@ def tiny_config(env: str, data_dir: str | None = None, **rollout):
     overrides = {
         **({"env.data_dir": data_dir} if data_dir else {}),
         "rollout.num_tasks": 2, "rollout.group_size": 2, "rollout.num_episodes": 2, "rollout.max_turns": 3,
-        "rollout.max_response_tokens": 12, "rollout.max_reflection_tokens": 6,
+        "rollout.max_response_tokens": 12, "rollout.max_reflection_tokens": 6, "rollout.reflect": True,
+        "rollout.memory_mode": "history_and_reflection",
         "model.overrides": SMALLEST_DECODER, "tokenizer.corpus_meta_episodes": 4,
         "train.eval_meta_episodes": 4,
         "train.eval_heldout_meta_episodes": 4, "rollout.engine_slots": 3, "rollout.engine_chunk": 2,
@@ -134,7 +135,6 @@ def test_greedy_engine_rollout_equals_the_lockstep_rollout_on_every_environment(
     # Responses of different lengths finished out of order: the engine really interleaved turns, moved
     # running slots down into freed ones and decoded smaller slot buckets.
     assert lockstep.stats["rows"] > shared_model.engine.num_slots
-    print(env, stats)
     assert stats.moves > 0 and min(stats.bucket_steps) < shared_model.engine.num_slots
 
 
@@ -148,6 +148,14 @@ def tiny_sampler():
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     sampler = Sampler(graphdef, config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(8, 16), batch_buckets=(8,))
     return sampler, state
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_sampler):
+    """``engines(slots, chunk)``: one engine per shape for the whole module (each compiles its programs)."""
+    sampler, _ = tiny_sampler
+    return functools.cache(lambda slots, chunk: RolloutEngine(sampler, slots=slots, max_new_tokens=12,
+                                                              chunk=chunk))
 
 
 def requests_of(prompts, limits, automata):
@@ -165,14 +173,13 @@ def mixed_batch():
     return prompts, limits, automata
 
 
-def test_greedy_engine_gives_the_lockstep_samplers_tokens_and_logprobs(tiny_sampler):
+def test_greedy_engine_gives_the_lockstep_samplers_tokens_and_logprobs(tiny_sampler, engines):
     sampler, state = tiny_sampler
     prompts, limits, automata = mixed_batch()
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     ref = sampler.generate(state, prompts, params, jax.random.key(0), constraints=automata,
                            max_new_tokens_per_row=np.asarray(limits))
-    engine = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=3)
-    session = engine.session(state, params, jax.random.key(0))
+    session = engines(3, 3).session(state, params, jax.random.key(0))
     out = generate_all(session, requests_of(prompts, limits, automata))
     for i in range(len(prompts)):
         np.testing.assert_array_equal(out[i].tokens, ref.tokens[i])
@@ -183,32 +190,36 @@ def test_greedy_engine_gives_the_lockstep_samplers_tokens_and_logprobs(tiny_samp
     assert session.stats.requests == 8 and session.stats.prefill_rows == 6
     assert session.stats.prefill_tokens == sum(len(p) for i, p in enumerate(prompts) if i not in (3, 7))
     assert 0 < session.stats.useful_decode_fraction <= 1
+    # Running slots moved down into freed ones, and chunks ran over fewer than all slots.
+    assert session.stats.moves > 0 and min(session.stats.bucket_steps) < 3
+    assert session.stats.decode_row_steps == sum(rows * n for rows, n in session.stats.bucket_steps.items())
 
 
-def test_sampled_responses_do_not_depend_on_slots_order_or_company(tiny_sampler):
-    sampler, state = tiny_sampler
+def test_sampled_responses_do_not_depend_on_slots_order_or_company(tiny_sampler, engines):
+    _, state = tiny_sampler
     prompts, limits, automata = mixed_batch()
     params = SamplingParams(temperature=1.0, max_new_tokens=12)
     requests = requests_of(prompts, limits, automata)
-    runs = []
-    for slots, order in ((3, requests), (8, requests[::-1]), (2, requests[2:5])):
-        engine = RolloutEngine(sampler, slots=slots, max_new_tokens=12, chunk=2)
-        runs.append(generate_all(engine.session(state, params, jax.random.key(5)), order))
+    runs, moves = [], []
+    for slots, order in ((3, requests), (8, requests[::-1]), (3, requests[2:5])):
+        session = engines(slots, 3).session(state, params, jax.random.key(5))
+        runs.append(generate_all(session, order))
+        moves.append(session.stats.moves)
     for tag, result in runs[2].items():
         for other in runs[:2]:
             np.testing.assert_array_equal(other[tag].tokens, result.tokens)
             np.testing.assert_allclose(other[tag].logprobs, result.logprobs, atol=1e-5)
+    assert moves[0] > 0 and moves[1] > 0  # responses moved between slots and stayed the same
     # Another key, other tokens: the draws are random, not fixed.
-    engine = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=2)
-    again = generate_all(engine.session(state, params, jax.random.key(6)), requests)
+    again = generate_all(engines(3, 3).session(state, params, jax.random.key(6)), requests)
     assert any(not np.array_equal(again[t].tokens, runs[0][t].tokens) for t in again)
 
 
-def test_nothing_recompiles_once_warm(tiny_sampler):
-    sampler, state = tiny_sampler
+def test_nothing_recompiles_once_warm(tiny_sampler, engines):
+    _, state = tiny_sampler
     prompts, limits, automata = mixed_batch()
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
-    engine = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=3)
+    engine = engines(3, 3)
     generate_all(engine.session(state, params, jax.random.key(0)), requests_of(prompts, limits, automata))
     warm = engine.compile_count
     assert warm > 0
