@@ -2,8 +2,8 @@
 
 ``mage_jax.sampling.Sampler`` runs one batch from prefill to its longest row; the engine
 (``mage_jax.rollout.engine``) instead keeps ``S`` decode *slots* alive for a whole rollout and moves
-rows in and out of them between short decode chunks. This module holds the two device programs and
-the slot state they share; scheduling (which request goes where, prefix sharing) is the engine's.
+rows in and out of them between short decode chunks. This module holds the device programs and the
+slot state they share; scheduling (which request goes where, prefix sharing, packing) is the engine's.
 
 * ``insert``: prefill ``U`` distinct prompts (left-padded to a prompt bucket ``P``, causal attention
   among the prompt tokens only, exactly the sampler's prefill), copy their keys and values into ``T``
@@ -12,11 +12,19 @@ the slot state they share; scheduling (which request goes where, prefix sharing)
 * ``decode``: up to ``chunk`` decode steps of every slot at once, leaving the loop early when every slot
   is done. Each slot writes at its own cache position and attends over its own span
   ``kv_start .. write`` (per-row ``cache_index`` of ``models.transformer``), so a slot that holds a
-  short prompt of its second turn decodes next to one deep in a long first response.
+  short prompt of its second turn decodes next to one deep in a long first response. A decode program
+  computes a *slot bucket*: the first ``b`` slots of every device's block (``slot_buckets``: all, 1/2,
+  1/4, ... of a block), so when few slots are left a chunk computes few rows.
+* ``move``: copy slots into other slots of the same device's block (cache row and every per-slot field)
+  and free the sources; the engine packs the running slots into the front of each block with it.
+
+Slots shard over the mesh's batch axes in contiguous blocks of ``local_slots``; viewed as
+``[ways, local_slots, ...]`` a slot bucket and a move stay on each device (no cache row crosses devices).
 
 Static shapes: the slot count ``S``, the cache length ``L = largest prompt bucket + max_new_tokens``,
 the response buffer ``N = max_new_tokens``, the automaton states ``Q``; an insert compiles once per
-(U bucket, T bucket, P bucket). After warm-up nothing recompiles (``compile_count`` counts traces).
+(U bucket, T bucket, P bucket), a decode per (window, slot bucket), a move per move-count bucket. After
+warm-up nothing recompiles (``compile_count`` counts traces).
 
 Randomness: a slot's token ``i`` is drawn with ``fold_in(fold_in(fold_in(fold_in(key, a), b), c), i)``
 where ``(a, b, c)`` is the request's *key path* (the runner uses meta-episode, episode, phase/turn), so

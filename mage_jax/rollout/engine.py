@@ -9,7 +9,10 @@ fixed set of ``slots`` (``slot_sampler.SlotSampler``) busy for a whole rollout i
   returns the requests that finished; the caller (the meta-episode runner) steps their environments
   and submits their next prompts right away, while the other slots keep their place mid-response;
 * identical prompts entering together (the G copies of a group share their first prompt) are
-  prefilled once and their keys and values copied into each copy's slot.
+  prefilled once and their keys and values copied into each copy's slot;
+* the running slots are kept packed at the front of every device's block of slots (the highest
+  decoding slot moves into the lowest free one) and a chunk decodes the smallest slot bucket that holds
+  them: at the tail of a rollout, when a few long responses are left, few rows are computed.
 
 Why a chunk of a few steps between host checks: a decode step of all slots is one small program; the
 host needs the finished flags to retire slots, and a round trip per token would cost more than the
