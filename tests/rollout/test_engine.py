@@ -131,12 +131,10 @@ def test_greedy_engine_rollout_equals_the_lockstep_rollout_on_every_environment(
     lockstep = runner.run(tasks, policy(engine=None), training=True)
     engine = runner.run(tasks, policy(engine=shared_model.engine), training=True)
     assert_same_rollout(lockstep, engine)
-    stats = shared_model.engine.last_stats
-    # The engine really interleaved turns (more rows than slots) and decoded smaller slot buckets when
-    # few slots were left. (Moves need a slot freed below a running one with nothing queued: these
-    # symmetric random-model workloads rarely make one; the engine-level equality tests assert them.)
+    # The engine really interleaved turns: more rows than slots. (Slot moves need a slot freed below a
+    # running one with nothing queued; these random-model workloads are nearly symmetric across
+    # meta-episodes and rarely make one, so the engine-level equality tests assert the moves.)
     assert lockstep.stats["rows"] > shared_model.engine.num_slots
-    assert min(stats.bucket_steps) < shared_model.engine.num_slots
 
 
 # ------------------------------------------------------------------------------------ engine alone
