@@ -2,8 +2,8 @@
 
 ``mage_jax.sampling.Sampler`` runs one batch from prefill to its longest row; the engine
 (``mage_jax.rollout.engine``) instead keeps ``S`` decode *slots* alive for a whole rollout and moves
-rows in and out of them between short decode chunks. This module holds the two device programs and
-the slot state they share; scheduling (which request goes where, prefix sharing) is the engine's.
+rows in and out of them between short decode chunks. This module holds the device programs and the
+slot state they share; scheduling (which request goes where, prefix sharing, packing) is the engine's.
 
 * ``insert``: prefill ``U`` distinct prompts (left-padded to a prompt bucket ``P``, causal attention
   among the prompt tokens only, exactly the sampler's prefill), copy their keys and values into ``T``
@@ -12,11 +12,19 @@ the slot state they share; scheduling (which request goes where, prefix sharing)
 * ``decode``: up to ``chunk`` decode steps of every slot at once, leaving the loop early when every slot
   is done. Each slot writes at its own cache position and attends over its own span
   ``kv_start .. write`` (per-row ``cache_index`` of ``models.transformer``), so a slot that holds a
-  short prompt of its second turn decodes next to one deep in a long first response.
+  short prompt of its second turn decodes next to one deep in a long first response. A decode program
+  computes a *slot bucket*: the first ``b`` slots of every device's block (``slot_buckets``: all, 1/2,
+  1/4, ... of a block), so when few slots are left a chunk computes few rows.
+* ``move``: copy slots into other slots of the same device's block (cache row and every per-slot field)
+  and free the sources; the engine packs the running slots into the front of each block with it.
+
+Slots shard over the mesh's batch axes in contiguous blocks of ``local_slots``; viewed as
+``[ways, local_slots, ...]`` a slot bucket and a move stay on each device (no cache row crosses devices).
 
 Static shapes: the slot count ``S``, the cache length ``L = largest prompt bucket + max_new_tokens``,
 the response buffer ``N = max_new_tokens``, the automaton states ``Q``; an insert compiles once per
-(U bucket, T bucket, P bucket). After warm-up nothing recompiles (``compile_count`` counts traces).
+(U bucket, T bucket, P bucket), a decode per (window, slot bucket), a move per move-count bucket. After
+warm-up nothing recompiles (``compile_count`` counts traces).
 
 Randomness: a slot's token ``i`` is drawn with ``fold_in(fold_in(fold_in(fold_in(key, a), b), c), i)``
 where ``(a, b, c)`` is the request's *key path* (the runner uses meta-episode, episode, phase/turn), so
@@ -39,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mage_jax.constraints import allowed_tokens
 from mage_jax.models.transformer import KVCache, init_cache
@@ -46,6 +56,7 @@ from mage_jax.sampling import Sampler, SamplingParams, choose_tokens, left_padde
 
 KEY_PATH_LEN = 3
 _NOWHERE = 2**30  # a cache position past any cache: the write is dropped
+DEFAULT_SLOT_LEVELS = 4  # slot buckets: all slots, 1/2, 1/4, 1/8
 
 
 @jax.tree_util.register_dataclass
@@ -132,18 +143,21 @@ class SlotSampler:
     ids, prompt buckets, mesh and parameter shardings); see the module docstring."""
 
     def __init__(self, sampler: Sampler, *, slots: int, max_new_tokens: int, chunk: int,
-                 unique_buckets: Sequence[int] | None = None):
-        if slots < 1 or chunk < 1 or max_new_tokens < 1:
-            raise ValueError(f"slots, chunk and max_new_tokens must be positive, got {slots}, {chunk}, "
-                             f"{max_new_tokens}")
+                 unique_buckets: Sequence[int] | None = None, slot_levels: int = DEFAULT_SLOT_LEVELS):
+        if slots < 1 or chunk < 1 or max_new_tokens < 1 or slot_levels < 1:
+            raise ValueError(f"slots, chunk, max_new_tokens and slot_levels must be positive, got {slots}, "
+                             f"{chunk}, {max_new_tokens}, {slot_levels}")
         mesh = sampler.mesh
-        if mesh is not None:
-            ways = mesh.shape["data"] * mesh.shape["fsdp"]
-            if slots % ways:
-                raise ValueError(f"engine slots ({slots}) must be a multiple of the mesh's data x fsdp "
-                                 f"ways ({ways}) so that slots shard with the rows")
+        ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+        if slots % ways:
+            raise ValueError(f"engine slots ({slots}) must be a multiple of the mesh's data x fsdp "
+                             f"ways ({ways}) so that slots shard with the rows")
         self.sampler = sampler
         self.num_slots = int(slots)
+        self.ways = ways
+        self.local_slots = self.num_slots // ways
+        # Slot buckets (per device): the whole block, its half, quarter, ... (slot_levels of them).
+        self.slot_buckets = tuple(sorted({-(-self.local_slots // 2**k) for k in range(slot_levels)}))
         self.max_new_tokens = int(max_new_tokens)
         self.chunk = int(chunk)
         self.max_len = sampler.prompt_buckets[-1] + self.max_new_tokens
@@ -155,8 +169,10 @@ class SlotSampler:
         self.row_buckets = tuple(sorted({*(unique_buckets or pow2), self.num_slots}))
         self.compile_count = 0
         self._inserts: dict[_Static, Callable] = {}
-        self._decodes: dict[tuple[_Static, int], Callable] = {}
+        self._decodes: dict[tuple[_Static, int, int], Callable] = {}
+        self._moves: Callable | None = None
         self._empty: dict[int, Callable] = {}
+        self._specs: Any = None
 
     # ------------------------------------------------------------------------------------ state
     def _mesh_context(self):
@@ -334,6 +350,79 @@ class SlotSampler:
 
         return jax.jit(run, donate_argnums=(1,))
 
+    # ------------------------------------------------------------------------- blocks of slots
+    # Slot g lives on device g // local_slots of the batch axes (rows shard in contiguous blocks). Viewed
+    # as [ways, local_slots, ...], the first b slots of every block are one array sharded like the rows,
+    # so a decode over them and a move inside a block need no communication between devices.
+    def _leaf_specs(self, slots: Slots) -> Slots:
+        """A ``PartitionSpec`` per leaf of ``slots`` (None leaves without a mesh)."""
+        if self.sampler.mesh is None:
+            return jax.tree.map(lambda _: None, slots)
+        if self._specs is None:
+            self._specs = jax.tree.map(lambda sh: sh.spec, self._shardings(1))
+        return self._specs
+
+    def _blocks(self, x: jax.Array, spec: Any) -> jax.Array:
+        """[S, ...] -> [ways, local_slots, ...], the ways axis sharded as the slot axis was."""
+        view = x.reshape((self.ways, self.local_slots) + x.shape[1:])
+        return self._constrain(view, None if spec is None else P(spec[0], None, *spec[1:]))
+
+    def _unblocks(self, x: jax.Array, spec: Any) -> jax.Array:
+        """[ways, b, ...] -> [ways * b, ...], sharded like slot rows."""
+        return self._constrain(x.reshape((-1,) + x.shape[2:]), spec)
+
+    def _constrain(self, x: jax.Array, spec: Any) -> jax.Array:
+        if spec is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.sampler.mesh, spec))
+
+    def slot_bucket(self, highest_local: int) -> int:
+        """The smallest slot bucket (per device) that holds local slot index ``highest_local``."""
+        return _bucket(highest_local + 1, self.slot_buckets)
+
+    # ------------------------------------------------------------------------------------ moves
+    def move(self, slots: Slots, moves: Sequence[tuple[int, int]]) -> Slots:
+        """Move slot ``src`` to slot ``dst`` for each (src, dst) of ``moves``: its cache row and every
+        per-slot field are copied, and ``src`` is marked done (free). Both slots of a move must lie on
+        the same device's block, sources and destinations must be distinct slots."""
+        if not moves:
+            return slots
+        local, ways = self.local_slots, self.ways
+        per_block: list[list[tuple[int, int]]] = [[] for _ in range(ways)]
+        for src, dst in moves:
+            if src // local != dst // local:
+                raise ValueError(f"slot {src} and slot {dst} lie on different devices")
+            per_block[src // local].append((src % local, dst % local))
+        m = _bucket(max(len(b) for b in per_block), self.row_buckets)
+        src_ix = np.full((ways, m), local, np.int32)  # out of range: padding moves are dropped
+        dst_ix = np.full((ways, m), local, np.int32)
+        for d, block in enumerate(per_block):
+            for i, (a, b) in enumerate(block):
+                src_ix[d, i], dst_ix[d, i] = a, b
+        if self._moves is None:
+            self._moves = self._build_move()
+        with self._mesh_context():
+            return self._moves(slots, src_ix, dst_ix)
+
+    def _build_move(self) -> Callable:
+        def run(slots: Slots, src, dst) -> Slots:
+            self.compile_count += 1
+            specs = self._leaf_specs(slots)
+
+            def one(block, s, t):  # [local, ...]: rows s copied to rows t
+                return block.at[t].set(block[jnp.minimum(s, self.local_slots - 1)], mode="drop")
+
+            def moved(x, spec):
+                out = jax.vmap(one)(self._blocks(x, spec), src, dst)
+                return self._constrain(out.reshape(x.shape), spec)
+
+            out = jax.tree.map(moved, slots, specs)
+            done = jax.vmap(lambda block, s: block.at[s].set(True, mode="drop"))(
+                self._blocks(out.done, specs.done), src)
+            return dataclasses.replace(out, done=self._constrain(done.reshape(-1), specs.done))
+
+        return jax.jit(run, donate_argnums=(0,))
+
     # ----------------------------------------------------------------------------------- decode
     def window(self, furthest_write: int) -> int:
         """The cache prefix a decode chunk attends over: the smallest window (a power of two from 64, or
@@ -347,30 +436,37 @@ class SlotSampler:
         return min(w, self.max_len)
 
     def decode(self, state: Any, slots: Slots, params: SamplingParams, key: jax.Array,
-               window: int | None = None) -> tuple[Slots, jax.Array]:
-        """Up to ``chunk`` steps of every slot (fewer when all are done); returns (slots, steps run).
+               window: int | None = None, bucket: int | None = None) -> tuple[Slots, jax.Array]:
+        """Up to ``chunk`` steps of the decoded slots (fewer when all are done); returns (slots, steps).
 
         ``window``: attend over the first ``window`` cache positions only (``window(furthest write)``);
-        every active slot's writes of this chunk must fall inside it. None: the whole cache."""
+        every active slot's writes of this chunk must fall inside it. None: the whole cache.
+        ``bucket``: decode the first ``bucket`` slots of every device's block only (a ``slot_buckets``
+        entry; ``ways * bucket`` rows computed per step); every active slot must lie among them.
+        None: every slot."""
         static = _static(params, self.sampler.vocab_size)
         window = self.max_len if window is None else int(window)
-        fn = self._decodes.get((static, window))
+        bucket = self.local_slots if bucket is None else int(bucket)
+        if bucket not in self.slot_buckets:
+            raise ValueError(f"slot bucket {bucket} is not one of {self.slot_buckets}")
+        fn = self._decodes.get((static, window, bucket))
         if fn is None:
-            fn = self._decodes[static, window] = self._build_decode(static, window)
+            fn = self._decodes[static, window, bucket] = self._build_decode(static, window, bucket)
         temperature, top_p = _runtime(params)
         with self._mesh_context():
             return fn(state, slots, key, temperature, top_p)
 
-    def _build_decode(self, static: _Static, window: int) -> Callable:
+    def _build_decode(self, static: _Static, window: int, bucket: int) -> Callable:
         sampler = self.sampler
         graphdef, pad_id, chunk = sampler.graphdef, sampler.pad_id, self.chunk
         eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
+        whole = bucket == self.local_slots and window == self.max_len
 
         def run(state, slots: Slots, key, temperature, top_p):
             self.compile_count += 1
             model = nnx.merge(graphdef, state)
             n = slots.tokens.shape[1]
-            rows = jnp.arange(slots.num_slots)
+            rows = jnp.arange(self.ways * bucket)
 
             def cond(carry):
                 step, s = carry
@@ -404,18 +500,31 @@ class SlotSampler:
                 )
                 return step + 1, s
 
-            full = slots.cache
-            if window < full.max_len:  # a copy of the window in, written back after the chunk
-                slots = dataclasses.replace(slots, cache=KVCache(
-                    k=tuple(c[:, :, :, :window] for c in full.k),
-                    v=tuple(c[:, :, :window, :] for c in full.v)))
-            steps, slots = jax.lax.while_loop(cond, body, (jnp.int32(0), slots))
-            if window < full.max_len:
-                zero = (0, 0, 0, 0)
-                slots = dataclasses.replace(slots, cache=KVCache(
-                    k=tuple(jax.lax.dynamic_update_slice(f, c, zero) for f, c in zip(full.k, slots.cache.k)),
-                    v=tuple(jax.lax.dynamic_update_slice(f, c, zero) for f, c in zip(full.v, slots.cache.v))))
-            return slots, steps
+            if whole:
+                steps, out = jax.lax.while_loop(cond, body, (jnp.int32(0), slots))
+                return out, steps
+            # The first ``bucket`` slots of every block and the first ``window`` cache positions are
+            # copied in, decoded, and written back after the chunk.
+            specs = self._leaf_specs(slots)
+            # The window axis of each cache leaf: keys [S, H, D, L], values [S, H, L, D].
+            axes = dataclasses.replace(jax.tree.map(lambda _: None, slots), cache=KVCache(
+                k=tuple(3 for _ in slots.cache.k), v=tuple(2 for _ in slots.cache.v)))
+
+            def take(x, spec, axis):
+                part = self._blocks(x, spec)[:, :bucket]
+                if axis is not None:  # the window axis of a cache leaf, shifted by the block axis
+                    part = jax.lax.slice_in_dim(part, 0, window, axis=axis + 1)
+                return self._unblocks(part, spec)
+
+            def give(x, part, spec):
+                block = part.reshape((self.ways, bucket) + part.shape[1:])
+                full = jax.lax.dynamic_update_slice(self._blocks(x, spec), block, (0,) * block.ndim)
+                return self._constrain(full.reshape(x.shape), spec)
+
+            sub = jax.tree.map(take, slots, specs, axes)
+            steps, sub = jax.lax.while_loop(cond, body, (jnp.int32(0), sub))
+            out = jax.tree.map(give, slots, sub, specs)
+            return out, steps
 
         return jax.jit(run, donate_argnums=(1,))
 

@@ -1,7 +1,7 @@
 """Rollout engine against lockstep generation on a turn-heavy workload of uneven responses.
 
     python -m experiments.benchmarks.rollout [--rows 128 --group 8 --turns 4 --slots 64 --chunk 8]
-        [--median 24 --p90 120 --cap 320] [--model tiny] [--repeats 3] [--threads 0]
+        [--slot-levels 4] [--median 24 --p90 120 --cap 320] [--model tiny] [--repeats 3] [--threads 0]
         [--out runs/benchmarks/rollout.json]
 
 ``--rows`` conversations (``--group`` copies per group share their first prompt) each run ``--turns``
@@ -13,14 +13,17 @@ last 8 response tokens and 8 fresh observation tokens), at most 120 tokens.
 
 * lockstep: one ``Sampler.generate`` per turn over all rows (the lockstep runner's schedule);
 * engine: ``RolloutEngine`` with ``--slots`` slots and ``--chunk`` steps per host check; a row's next
-  prompt is submitted as soon as its response is back (priority: earlier turns first).
+  prompt is submitted as soon as its response is back (priority: earlier turns first). Running slots are
+  packed into the front of the slot array and a chunk decodes the smallest of ``--slot-levels`` slot
+  buckets (all slots, half, quarter, ...) that holds them.
 
 Both decode greedily with the same random model (``--model tiny``: the ``tiny`` preset, 4 layers,
 hidden 128; ``qwen3-0.6b`` for an accelerator), so ``greedy_identical`` checks every token. Each path is
 run once to warm up (compiles), then ``--repeats`` times interleaved. ``compiles_after_warmup`` counts
 XLA backend compiles (``jax.monitoring``) during the measured repeats. ``useful_decode_fraction``: decode
 row-steps that produced a kept token / decode row-steps computed (lockstep: every row of the batch
-bucket for every step of a turn's longest row; engine: every slot for every step of a chunk).
+bucket for every step of a turn's longest row; engine: every row of the slot bucket a chunk's program
+computed, for every step it ran; ``engine_bucket_steps`` splits the steps by those rows).
 ``prefill_tokens``: prompt tokens prefilled (real tokens, padding not counted). The group-copies workload
 is the first turn alone: G identical prompts per group, prefilled once by the engine.
 """
@@ -51,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cap", type=int, default=320)
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=8)
+    parser.add_argument("--slot-levels", type=int, default=4, help="slot buckets: all slots, 1/2, 1/4, ...")
     parser.add_argument("--model", default="tiny", help="a ModelConfig preset (random weights)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
@@ -58,7 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/benchmarks/rollout.json")
     args = parser.parse_args(argv)
-    if min(args.rows, args.group, args.turns, args.cap, args.slots, args.chunk, args.repeats) < 1:
+    if min(args.rows, args.group, args.turns, args.cap, args.slots, args.chunk, args.repeats,
+           args.slot_levels) < 1:
         parser.error("sizes and --repeats must be positive")
     if args.rows % args.group or not 0 < args.median < args.p90:
         parser.error("--group must divide --rows and 0 < --median < --p90")
@@ -142,7 +147,8 @@ def run_engine(engine, state, work: Workload, turns: int, params, automaton, key
     s = session.stats
     return dict(seconds=seconds, responses=responses, prefill_tokens=s.prefill_tokens,
                 useful_decode_fraction=s.useful_decode_fraction, decode_row_steps=s.decode_row_steps,
-                decode_steps=s.decode_steps, inserts=s.inserts)
+                decode_steps=s.decode_steps, inserts=s.inserts, moves=s.moves,
+                bucket_steps={str(rows): n for rows, n in sorted(s.bucket_steps.items())})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -172,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     eos, pad = 1, 0
     sampler = Sampler(graphdef, config, eos_ids=[eos], pad_id=pad, prompt_buckets=(64, 128),
                       batch_buckets=(args.rows,))
-    engine = RolloutEngine(sampler, slots=args.slots, max_new_tokens=args.cap, chunk=args.chunk)
+    engine = RolloutEngine(sampler, slots=args.slots, max_new_tokens=args.cap, chunk=args.chunk,
+                           slot_levels=args.slot_levels)
     work = Workload(args, config.vocab_size)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.cap)
     automaton = no_eos_automaton(config.vocab_size, eos)
@@ -216,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "response_length_mean": round(float(lengths.mean()), 2),
             "turns_with_a_row_at_the_cap": int((lengths.max(axis=0) == args.cap).sum()),
         },
-        "slots": args.slots, "chunk": args.chunk, "repeats": args.repeats,
+        "slots": args.slots, "chunk": args.chunk, "slot_levels": args.slot_levels, "repeats": args.repeats,
         "lockstep_seconds": round(float(np.median(lock_s)), 4),
         "engine_seconds": round(float(np.median(eng_s)), 4),
         "speedup": round(float(np.median(ratios)), 3),
@@ -237,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "engine_inserts": runs["engine"][0]["inserts"],
         "engine_decode_steps": runs["engine"][0]["decode_steps"],
+        "engine_bucket_steps": runs["engine"][0]["bucket_steps"],
+        "engine_moves": runs["engine"][0]["moves"],
         "compiles_after_warmup": compiles_after,
         "greedy_identical": bool(identical),
         "warmup_s": round(warmup_s, 2),

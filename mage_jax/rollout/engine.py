@@ -9,7 +9,10 @@ fixed set of ``slots`` (``slot_sampler.SlotSampler``) busy for a whole rollout i
   returns the requests that finished; the caller (the meta-episode runner) steps their environments
   and submits their next prompts right away, while the other slots keep their place mid-response;
 * identical prompts entering together (the G copies of a group share their first prompt) are
-  prefilled once and their keys and values copied into each copy's slot.
+  prefilled once and their keys and values copied into each copy's slot;
+* the running slots are kept packed at the front of every device's block of slots (the highest
+  decoding slot moves into the lowest free one) and a chunk decodes the smallest slot bucket that holds
+  them: at the tail of a rollout, when a few long responses are left, few rows are computed.
 
 Why a chunk of a few steps between host checks: a decode step of all slots is one small program; the
 host needs the finished flags to retire slots, and a round trip per token would cost more than the
@@ -34,7 +37,7 @@ import numpy as np
 from mage_jax.constraints import TokenAutomaton, stack_automata
 from mage_jax.models.sharding import to_host
 from mage_jax.sampling import Sampler, SamplingParams
-from mage_jax.slot_sampler import KEY_PATH_LEN, Donor, Slots, SlotSampler
+from mage_jax.slot_sampler import DEFAULT_SLOT_LEVELS, KEY_PATH_LEN, Donor, Slots, SlotSampler
 
 DEFAULT_CHUNK = 8
 
@@ -67,7 +70,8 @@ class EngineResult:
 
 @dataclasses.dataclass
 class EngineStats:
-    """Work counters. ``decode_row_steps`` counts every slot of every decode step (what was computed);
+    """Work counters. ``decode_row_steps`` counts every row of the program each decode step ran (its
+    slot bucket times the mesh's batch ways: what was computed, active or not);
     ``decode_tokens`` the tokens decode steps drew and a response kept (its first token comes from the
     prefill)."""
 
@@ -78,6 +82,10 @@ class EngineStats:
     decode_steps: int = 0
     decode_row_steps: int = 0
     decode_tokens: int = 0
+    bucket_steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Decode steps by the rows their program computed (a slot bucket times the mesh's batch ways)."""
+    moves: int = 0
+    """Slots moved to pack the running ones into the front of their device's block."""
 
     @property
     def useful_decode_fraction(self) -> float:
@@ -91,9 +99,12 @@ class RolloutEngine:
     concurrent rows (a multiple of the mesh's data x fsdp ways); ``max_new_tokens`` the longest response.
     """
 
-    def __init__(self, sampler: Sampler, *, slots: int, max_new_tokens: int, chunk: int = DEFAULT_CHUNK):
+    def __init__(self, sampler: Sampler, *, slots: int, max_new_tokens: int, chunk: int = DEFAULT_CHUNK,
+                 slot_levels: int = DEFAULT_SLOT_LEVELS):
         self.sampler = sampler
-        self.kernels = SlotSampler(sampler, slots=slots, max_new_tokens=max_new_tokens, chunk=chunk)
+        self.kernels = SlotSampler(sampler, slots=slots, max_new_tokens=max_new_tokens, chunk=chunk,
+                                   slot_levels=slot_levels)
+        self.last_stats: EngineStats | None = None  # the counters of the latest session
 
     @property
     def num_slots(self) -> int:
@@ -124,10 +135,11 @@ class EngineSession:
         self.queue: list[tuple[tuple[int, ...], int, EngineRequest]] = []  # a heap
         self._arrivals = itertools.count()
         self.running: dict[int, EngineRequest] = {}
-        self.free: list[int] = list(range(self.kernels.num_slots))
+        self.free: set[int] = set(range(self.kernels.num_slots))
         self.prefixes: dict[tuple[int, ...], Donor] = {}  # prompts held by some slot's cache
         self.slot_prompt: dict[int, tuple[int, ...]] = {}
         self.stats = EngineStats()
+        engine.last_stats = self.stats
 
     @property
     def busy(self) -> bool:
@@ -142,20 +154,25 @@ class EngineSession:
         heapq.heappush(self.queue, (request.priority, next(self._arrivals), request))
 
     def step(self) -> list[EngineResult]:
-        """Fill the free slots, run one decode chunk when some slot is still decoding, and return the
-        requests that finished (in slot order)."""
+        """Fill the free slots, pack the decoding ones, run one decode chunk when some slot is still
+        decoding, and return the requests that finished (in slot order)."""
         self._fill()
         if not self.running:
             return []
         done = to_host(self.slots.done)
         decoding = [s for s in self.running if not done[s]]
         if decoding:
+            decoding = self._compact(decoding)
+            kernels = self.kernels
             furthest = int(to_host(self.slots.write)[decoding].max())
-            self.slots, steps = self.kernels.decode(self.state, self.slots, self.params, self.key,
-                                                    self.kernels.window(furthest))
+            bucket = kernels.slot_bucket(max(s % kernels.local_slots for s in decoding))
+            self.slots, steps = kernels.decode(self.state, self.slots, self.params, self.key,
+                                               kernels.window(furthest), bucket)
             steps = int(steps)
+            rows = bucket * kernels.ways
             self.stats.decode_steps += steps
-            self.stats.decode_row_steps += steps * self.kernels.num_slots
+            self.stats.decode_row_steps += steps * rows
+            self.stats.bucket_steps[rows] = self.stats.bucket_steps.get(rows, 0) + steps
             done = to_host(self.slots.done)
         ended = sorted(s for s in self.running if done[s])
         if not ended:
@@ -170,8 +187,61 @@ class EngineSession:
             self.stats.decode_tokens += max(n - 1, 0)
             out.append(EngineResult(self.running.pop(s).tag, tokens[s, :n].copy(), logprobs[s, :n].copy(),
                                     bool(finished[s])))
-            self.free.append(s)
-        self.free.sort()
+            self.free.add(s)
+        return out
+
+    def _compact(self, decoding: list[int]) -> list[int]:
+        """Pack every device's running slots into the front of its block: the highest decoding slot
+        moves into the lowest free one below the block's running count, so a decode chunk computes a
+        small slot bucket once few slots are left. Returns the decoding slots after the moves."""
+        local = self.kernels.local_slots
+        active = set(decoding)
+        moves: list[tuple[int, int]] = []
+        for first in range(0, self.kernels.num_slots, local):
+            block = range(first, first + local)
+            running = [s for s in block if s in self.running]
+            holes = [s for s in block[:len(running)] if s in self.free]
+            movers = [s for s in reversed(running) if s >= first + len(running) and s in active]
+            moves += zip(movers, holes)
+        if not moves:
+            return decoding
+        self.slots = self.kernels.move(self.slots, moves)
+        for src, dst in moves:
+            self.running[dst] = self.running.pop(src)
+            self.free.discard(dst)
+            self.free.add(src)
+            self._forget_prompt(dst)
+            prompt = self.slot_prompt.pop(src)
+            self.slot_prompt[dst] = prompt
+            held = self.prefixes.get(prompt)
+            if held is not None and held.slot == src:
+                self.prefixes[prompt] = dataclasses.replace(held, slot=dst)
+            active.discard(src)
+            active.add(dst)
+        self.stats.moves += len(moves)
+        return sorted(active)
+
+    def _forget_prompt(self, slot: int) -> None:
+        """``slot`` is about to be overwritten: the prompt it holds can no longer be copied from it."""
+        old = self.slot_prompt.pop(slot, None)
+        held = self.prefixes.get(old) if old is not None else None
+        if held is not None and held.slot == slot:
+            del self.prefixes[old]
+
+    def _targets(self, count: int) -> list[int]:
+        """Free slots for ``count`` new requests: each on the device with the fewest running slots (ties:
+        the first), the lowest free slot there (one device: the lowest free slots)."""
+        local = self.kernels.local_slots
+        load = [0] * self.kernels.ways
+        for s in self.running:
+            load[s // local] += 1
+        free = [sorted(s for s in self.free if s // local == d) for d in range(self.kernels.ways)]
+        out = []
+        for _ in range(count):
+            d = min((d for d in range(len(free)) if free[d]), key=lambda d: (load[d], d))
+            out.append(free[d].pop(0))
+            load[d] += 1
+        self.free.difference_update(out)
         return out
 
     def _fill(self) -> None:
@@ -179,7 +249,7 @@ class EngineSession:
         if not self.queue or not self.free:
             return
         take = [heapq.heappop(self.queue)[2] for _ in range(min(len(self.free), len(self.queue)))]
-        targets = [self.free.pop(0) for _ in take]
+        targets = self._targets(len(take))
         # A prompt some slot already holds is copied from it; the others are prefilled, each once.
         unique: dict[tuple[int, ...], int] = {}
         donors = [self.prefixes.get(r.prompt_ids) for r in take]
@@ -198,10 +268,7 @@ class EngineSession:
             self.params, self.key, donors,
         )
         for slot in targets:  # their old prompts are overwritten now
-            old = self.slot_prompt.pop(slot, None)
-            held = self.prefixes.get(old) if old is not None else None
-            if held is not None and held.slot == slot:
-                del self.prefixes[old]
+            self._forget_prompt(slot)
         for slot, request, donor in zip(targets, take, donors):
             self.running[slot] = request
             self.slot_prompt[slot] = request.prompt_ids
