@@ -49,7 +49,7 @@ def test_main_job_writes_a_complete_run_directory(finished_run, capsys):
     assert os.path.isfile(run_dir / "tokenizer" / "tokenizer.json")
     records = read_jsonl(str(run_dir))
     assert [r["iteration"] for r in records if r["split"] == "train"] == [1, 2, 3]
-    assert {r["split"] for r in records} == {"train", "eval", "heldout"}
+    assert {r["split"] for r in records} == {"train", "validation", "eval", "heldout"}
     train = [r for r in records if r["split"] == "train"][-1]
     for key in ("policy_loss", "clip_fraction", "approx_kl", "kl_loss", "entropy", "grad_norm", "lr",
                 "skipped", "success@1", "payoff@1", "valid_action_ratio", "reward_mean"):
