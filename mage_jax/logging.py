@@ -66,14 +66,22 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return records
 
 
+ITERATION_SPLITS = ("train", "validation")
+"""Splits logged inside an iteration, before its checkpoint (evaluations come after it)."""
+
+
 def truncate_after(path: str, iteration: int, *, keep_evaluations: bool = True) -> None:
     """Keep only the records with ``iteration <= iteration`` (used when resuming from a checkpoint);
     ``keep_evaluations=False`` also drops the evaluation records of ``iteration`` itself (the resumed
-    run evaluates it again: its final evaluation, when a kill came before the run was marked done)."""
+    run evaluates it again: its final evaluation, when a kill came before the run was marked done). Its
+    training and validation records stay: the checkpoint was saved after both."""
     if not os.path.exists(path):
         return
-    kept = [r for r in read_jsonl(path) if int(r.get("iteration", 0)) < iteration
-            or (int(r.get("iteration", 0)) == iteration and (keep_evaluations or r.get("split") == "train"))]
+    def kept_record(r: dict) -> bool:
+        at = int(r.get("iteration", 0))
+        return at < iteration or (at == iteration and (keep_evaluations or r["split"] in ITERATION_SPLITS))
+
+    kept = [r for r in read_jsonl(path) if kept_record(r)]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         for r in kept:

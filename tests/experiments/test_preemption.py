@@ -35,7 +35,8 @@ def reference(tmp_path_factory, request):
     assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == 0
     records = read_jsonl(str(run_dir))
     splits = [(r["iteration"], r["split"]) for r in records]
-    assert splits == [(1, "train"), (2, "train"), (2, "eval"), (3, "train"), (3, "eval"), (3, "heldout")]
+    assert splits == [(1, "train"), (2, "train"), (2, "eval"), (3, "train"), (3, "validation"), (3, "eval"),
+                      (3, "heldout")]
     assert all(r["updates"] >= 3 for r in records if r["split"] == "train")
     return run_dir, args
 
@@ -145,7 +146,8 @@ def test_a_signal_during_an_evaluation_saves_the_updated_state_exits_75_and_eval
     step = 2 if which == "iteration 2" else 3
     assert sorted(os.listdir(run_dir / "checkpoints")) == [str(step)]
     assert checkpoint_meta(run_dir, step)["pending_evaluation"] == (which == "iteration 2")
-    expected = [(1, "train"), (2, "train")] + ([] if step == 2 else [(2, "eval"), (3, "train")])
+    later = [(2, "eval"), (3, "train"), (3, "validation")]
+    expected = [(1, "train"), (2, "train")] + ([] if step == 2 else later)
     assert [(r["iteration"], r["split"]) for r in read_jsonl(str(run_dir))] == expected
     assert f"--run-dir {run_dir} --resume" in capsys.readouterr().err
     monkeypatch.undo()

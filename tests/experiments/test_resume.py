@@ -81,7 +81,7 @@ def test_resume_refuses_a_change_of_the_runs_own_settings_in_one_line_and_rewrit
 def test_samples_of_what_the_model_wrote_are_logged_per_evaluation_and_every_k_iterations(finished):
     logged = samples(finished)
     assert sorted({(s["split"], s["iteration"]) for s in logged}) == [
-        ("eval", 2), ("heldout", 2), ("train", 1), ("train", 2)]
+        ("eval", 2), ("heldout", 2), ("train", 1), ("train", 2), ("validation", 2)]
     for split, iteration in {(s["split"], s["iteration"]) for s in logged}:
         calls = [s for s in logged if (s["split"], s["iteration"]) == (split, iteration)]
         assert len({s["meta_episode"] for s in calls}) == 2  # logging.samples meta-episodes
@@ -114,8 +114,8 @@ def test_resume_may_train_a_finished_run_further_and_change_cadences(finished, c
     header = next(line for line in table if line.startswith("opponent"))
     assert header.split()[:6] == ["opponent", "k", "success", "draw", "payoff", "valid"]
     assert table[table.index(header) + 1].split()[5] == "100%"  # constrained decoding: every action legal
-    assert records(run_dir) == [("train", 1), ("train", 2), ("eval", 2), ("heldout", 2),
-                                ("train", 3), ("eval", 3), ("heldout", 3)]
+    assert records(run_dir) == [("train", 1), ("train", 2), ("validation", 2), ("eval", 2), ("heldout", 2),
+                                ("train", 3), ("validation", 3), ("eval", 3), ("heldout", 3)]
     assert json.loads((run_dir / FINISHED_FILE).read_text()) == {"iteration": 3}
     assert json.loads((run_dir / "config.json").read_text())["train"]["iterations"] == 3
 
