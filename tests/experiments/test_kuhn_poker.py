@@ -158,6 +158,7 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(monkeypatch, capsys):
     exits = []
     monkeypatch.setattr(trainer_module.os, "_exit", exits.append)
     trainer = types.SimpleNamespace(_stop=trainer_module.threading.Event())
+    before = signal.getsignal(signal.SIGINT)
     restore = trainer_module.Trainer._install_signals(trainer)
     try:
         signal.raise_signal(signal.SIGINT)
@@ -167,7 +168,7 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(monkeypatch, capsys):
         restore()
     assert exits == [trainer_module.EXIT_SECOND_INTERRUPT] == [130]
     assert "exiting now without saving" in capsys.readouterr().err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # the handler the run found is back
 
 
 def test_updates_that_keep_being_skipped_stop_the_run_with_one_line_and_save_nothing(tmp_path, capsys,
