@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 
+from mage_jax.logging import read_jsonl
+from mage_jax.training import trainer as trainer_module
 from tests.tiny_models import SMALLEST_DECODER, build_bpe_tokenizer, build_random_causal_lm
 
 SMOKE_MODEL = {**SMALLEST_DECODER, "max_position_embeddings": 2048}
@@ -41,6 +44,28 @@ def _smoke_args(overrides: dict | None = None) -> list[str]:
             text = str(value).lower() if isinstance(value, bool) else str(value)
         args += ["--set", f"{key}={text}"]
     return args
+
+
+TIMING = {"time", "wall_seconds", "rollout_seconds", "update_seconds", "iteration_seconds", "rows_per_second"}
+
+
+def comparable(run_dir) -> list[dict]:
+    """A run's metric records without their timings: what two runs of one config must share on CPU."""
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(str(run_dir))]
+
+
+def sigterm_after_iteration(monkeypatch, iteration: int) -> None:
+    """Send SIGTERM right after ``iteration`` has trained (a handled stop: checkpoint, exit 75);
+    ``monkeypatch.undo()`` removes the hook before resuming."""
+    original = trainer_module.Trainer.train_iteration
+
+    def train_iteration(self, at):
+        metrics = original(self, at)
+        if at == iteration:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return metrics
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", train_iteration)
 
 
 @pytest.fixture

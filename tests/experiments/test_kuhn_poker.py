@@ -18,14 +18,10 @@ from mage_jax.evaluation.report import results_table
 from mage_jax.logging import read_jsonl
 from mage_jax.rollout.policy import LLMPolicy
 from mage_jax.training import trainer as trainer_module
+from tests.experiments.conftest import comparable, sigterm_after_iteration
 from tests.training.test_checkpoint import flip_bytes
 
-TIMING = {"time", "wall_seconds", "rollout_seconds", "update_seconds", "iteration_seconds", "rows_per_second"}
 RUN = {"train.iterations": 3, "checkpoint.every": 1, "checkpoint.keep": 2}
-
-
-def comparable(run_dir):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(str(run_dir))]
 
 
 @pytest.fixture(scope="module")
@@ -71,19 +67,11 @@ def test_main_job_writes_a_complete_run_directory(finished_run, capsys):
 def test_resumed_run_reproduces_the_uninterrupted_metrics(finished_run, tmp_path, monkeypatch):
     _, reference_dir, args = finished_run
     run_dir = tmp_path / "run"
-    original = trainer_module.Trainer.train_iteration
-
-    def stop_after_two(self, iteration):
-        metrics = original(self, iteration)
-        if iteration == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # handled: checkpoint, exit with the interrupted status
-        return metrics
-
-    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", stop_after_two)
+    sigterm_after_iteration(monkeypatch, 2)
     assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == EXIT_INTERRUPTED
     assert not (run_dir / "summary.json").exists()
     assert [r["iteration"] for r in read_jsonl(str(run_dir))] == [1, 2]
-    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", original)
+    monkeypatch.undo()
     assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume"]) == 0
     assert comparable(run_dir) == comparable(reference_dir)
 
@@ -95,19 +83,11 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_finishes_identic
     older step, retrains from there and ends with the uninterrupted run's metrics."""
     _, reference_dir, args = finished_run
     run_dir = tmp_path / "run"
-    original = trainer_module.Trainer.train_iteration
-
-    def stop_after_two(self, iteration):
-        metrics = original(self, iteration)
-        if iteration == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return metrics
-
-    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", stop_after_two)
+    sigterm_after_iteration(monkeypatch, 2)
     assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == EXIT_INTERRUPTED
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["1", "2"]
     flip_bytes(run_dir / "checkpoints" / "2")
-    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", original)
+    monkeypatch.undo()
     capsys.readouterr()
     assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume"]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]

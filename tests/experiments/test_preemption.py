@@ -18,7 +18,7 @@ from mage_jax.logging import read_jsonl
 from mage_jax.rollout.policy import LLMPolicy
 from mage_jax.training import trainer as trainer_module
 from mage_jax.training.train_step import TrainStep
-from tests.experiments.test_kuhn_poker import comparable
+from tests.experiments.conftest import comparable
 
 RUN = {"train.iterations": 3, "train.eval_every": 2, "checkpoint.every": 0, "optim.mini_batch_rows": 1}
 """One-row mini-batches (an update per row: four or more per iteration), an evaluation after iteration 2."""

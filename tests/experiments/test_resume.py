@@ -12,16 +12,11 @@ import pytest
 from experiments import evaluate, kuhn_poker
 from mage_jax.logging import read_jsonl
 from mage_jax.training.run import FINISHED_FILE
-
-TIMING = {"time", "wall_seconds", "rollout_seconds", "update_seconds", "iteration_seconds", "rows_per_second"}
+from tests.experiments.conftest import comparable
 
 
 def records(run_dir) -> list[tuple[str, int]]:
     return [(r["split"], r["iteration"]) for r in read_jsonl(str(run_dir))]
-
-
-def comparable(run_dir):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(str(run_dir))]
 
 
 def samples(run_dir) -> list[dict]:

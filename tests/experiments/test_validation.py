@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import numpy as np
 import pytest
@@ -14,18 +13,11 @@ from experiments import evaluate, kuhn_poker
 from experiments.common import EXIT_INTERRUPTED
 from mage_jax.logging import read_jsonl
 from mage_jax.rollout.tasks import TaskSampler
-from mage_jax.training import trainer as trainer_module
 from mage_jax.training.assemble import build_parts
+from tests.experiments.conftest import comparable, sigterm_after_iteration
 
 RUN = {"train.iterations": 3, "train.validate_every": 1, "train.validation_meta_episodes": 6,
        "checkpoint.every": 0}
-TIMING = {"time", "wall_seconds", "rollout_seconds", "update_seconds", "iteration_seconds", "rows_per_second"}
-
-
-def comparable(run_dir):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(str(run_dir))]
-
-
 @pytest.fixture(scope="module")
 def validated_run(tmp_path_factory, request):
     request.getfixturevalue("compilation_cache")
@@ -69,17 +61,9 @@ def test_validation_instances_are_never_evaluation_instances(validated_run):
 def test_a_resumed_run_selects_what_the_uninterrupted_run_selected(validated_run, tmp_path, monkeypatch):
     reference_dir, args = validated_run
     run_dir = tmp_path / "run"
-    original = trainer_module.Trainer.train_iteration
-
-    def stop_after_two(self, iteration):
-        metrics = original(self, iteration)
-        if iteration == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return metrics
-
-    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", stop_after_two)
+    sigterm_after_iteration(monkeypatch, 2)
     assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == EXIT_INTERRUPTED
-    monkeypatch.setattr(trainer_module.Trainer, "train_iteration", original)
+    monkeypatch.undo()
     assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume"]) == 0
     assert comparable(run_dir) == comparable(reference_dir)
     selected = json.loads((run_dir / "summary.json").read_text())["selected_iteration"]
