@@ -75,6 +75,7 @@ def test_tic_tac_toe_skewed_pool_shrinks_mcts_to_a_tenth():
     assert pool["mcts-100"] == pytest.approx(0.1) and pool["random"] == pytest.approx(0.9 / 7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [a for a in ABLATIONS if a != "memory_channel"])  # test_memory_channel.py
 def test_ablation_runs_end_to_end_and_writes_a_table_and_a_plot(
     name, tmp_path, compilation_cache, smoke_args

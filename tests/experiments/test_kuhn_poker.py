@@ -36,6 +36,7 @@ def finished_run(tmp_path_factory, request):
     return code, run_dir, args
 
 
+@pytest.mark.slow
 def test_main_job_writes_a_complete_run_directory(finished_run, capsys):
     code, run_dir, _ = finished_run
     assert code == 0

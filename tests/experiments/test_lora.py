@@ -48,6 +48,7 @@ def restored(run_dir, *steps):
     return parts, [parts.restore_params(checkpoint_dir(cfg, str(run_dir)), step)[0] for step in steps]
 
 
+@pytest.mark.slow
 def test_a_lora_run_trains_only_the_adapters_and_resumes(lora_run):
     run_dir, model_path = lora_run
     cfg = C.load(str(run_dir))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from experiments.ablations import memory_channel
 from experiments.ablations.memory_channel import WORDS
 from experiments.environments import environment
@@ -29,6 +31,7 @@ def test_memory_channel_arms_differ_only_in_memory_and_constrained_reflections(t
     assert r["reflection_only"].reflection_max_words == 3 and len(r["reflection_only"].reflection_words) == 12
 
 
+@pytest.mark.slow
 def test_memory_channel_runs_its_arms_and_lists_the_learned_reflections(
     tmp_path, compilation_cache, smoke_args
 ):

@@ -59,6 +59,7 @@ def test_quickstart_trains_plots_per_opponent_and_shows_transcripts(tmp_path, mo
     assert "flax " in text and "(mage-jax needs <0.13,>=0.12.0): ok" in text
 
 
+@pytest.mark.slow
 def test_pretrained_notebook_evaluates_zero_shot_with_reflections_and_starts_training(
     tmp_path, monkeypatch, compilation_cache, tiny_hf_model
 ):

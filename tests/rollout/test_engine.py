@@ -194,6 +194,7 @@ def test_greedy_engine_gives_the_lockstep_samplers_tokens_and_logprobs(tiny_samp
     assert session.stats.decode_row_steps == sum(rows * n for rows, n in session.stats.bucket_steps.items())
 
 
+@pytest.mark.slow
 def test_sampled_responses_do_not_depend_on_slots_order_or_company(tiny_sampler, engines):
     _, state = tiny_sampler
     prompts, limits, automata = mixed_batch()
@@ -279,6 +280,7 @@ _SHARDED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_slots_and_their_cache_shard_over_the_mesh_batch_axes_on_8_devices():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True,

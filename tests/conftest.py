@@ -1,0 +1,15 @@
+"""Suite-wide collection order: files with a test marked ``slow`` come first.
+
+CI runs the files on two workers (``--dist loadfile``), each taking the next file as it frees up;
+starting with the minute-long files and ending with the short ones makes both workers finish
+together instead of one waiting on a late multi-minute file.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: file order kept within each part
