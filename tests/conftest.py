@@ -1,8 +1,9 @@
 """Suite-wide collection order: files with a test marked ``slow`` come first.
 
-CI runs the files on two workers (``--dist loadfile``), each taking the next file as it frees up;
-starting with the minute-long files and ending with the short ones makes both workers finish
-together instead of one waiting on a late multi-minute file.
+CI runs the files on two workers (``--dist loadfile --no-loadscope-reorder``: this order, not
+xdist's by test count), each taking the next file as it frees up; starting with the minute-long
+files and ending with the short ones makes both workers finish together instead of one waiting
+on a late multi-minute file.
 """
 
 from __future__ import annotations
