@@ -219,6 +219,7 @@ class TrainStep:
         self._batch_sharding = shd.batch_sharding(mesh)
         self._replicated = shd.replicated(mesh)
         self._update = None
+        self._copy = None
         self._logprobs = None
         self._state_shardings = None
 
@@ -321,20 +322,21 @@ class TrainStep:
                                      compiler_options=train_step_compiler_options())
         return self._logprobs
 
-    def update_programs(self, shardings: TrainState, *, donate: bool = True) -> tuple[Any, Any]:
+    def update_programs(self, shardings: TrainState) -> tuple[Any, Any]:
         """The two jitted programs of ``update`` for a state placed like ``shardings``: loss and gradients
         of the trainable parameters (run under the mesh), and the optimizer step with the non-finite
-        and update-size skips (the state donated unless ``donate=False``)."""
+        and update-size skips (the state donated)."""
         if self._update is None:
             grad_shardings = self.trainable(shardings.params)[0]
             options = train_step_compiler_options()
             self._grads = jax.jit(self._grads_fn, out_shardings=(grad_shardings, self._replicated),
                                   compiler_options=options)
-            out_shardings = (shardings, self._replicated)
-            self._update = jax.jit(self._apply_fn, donate_argnums=(0,), out_shardings=out_shardings,
-                                   compiler_options=options)
-            self._update_kept = jax.jit(self._apply_fn, out_shardings=out_shardings, compiler_options=options)
-        return self._grads, (self._update if donate else self._update_kept)
+            self._update = jax.jit(self._apply_fn, donate_argnums=(0,),
+                                   out_shardings=(shardings, self._replicated), compiler_options=options)
+            # ``update(donate=False)`` copies the state and donates the copy: the optimizer step
+            # compiles once, and the peak is the same two states a non-donating program would hold.
+            self._copy = jax.jit(lambda state: jax.tree.map(jnp.copy, state), out_shardings=shardings)
+        return self._grads, self._update
 
     def compute_logprobs(self, params: Any, batch: TrainBatch, *, adapters: bool = True) -> jax.Array:
         """log pi(target) at temperature 1, float32 [R, T] (0 outside the response).
@@ -357,12 +359,14 @@ class TrainStep:
         buffers of its own.
 
         Two jitted programs: the loss and gradients (compiled once per mini-batch shape) and the
-        optimizer step with the non-finite skip (shape independent, compiled once per ``donate``),
-        so a new length bucket only recompiles the first.
+        optimizer step with the non-finite skip (shape independent, compiled once), so a new length
+        bucket only recompiles the first.
         """
-        grads_program, apply_program = self.update_programs(self.state_shardings(state), donate=donate)
+        grads_program, apply_program = self.update_programs(self.state_shardings(state))
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
             grads, metrics = grads_program(state.params, batch)
+        if not donate:
+            state = self._copy(state)
         return apply_program(state, grads, metrics, jnp.float32(lr_scale))
 
     def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array], lr_scale: jax.Array):

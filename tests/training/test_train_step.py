@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -173,12 +174,18 @@ def test_global_norm_of_a_huge_tree_does_not_overflow():
     assert float(global_norm({"a": jnp.array([3.0, 4.0])})) == pytest.approx(5.0)
 
 
-def test_an_update_without_donation_leaves_the_old_state_intact_and_computes_the_same(model, step):
+def test_an_update_without_donation_leaves_the_old_state_intact_computes_the_same_and_compiles_once(
+        model, step, caplog):
     _, _, _, params = model
     state = step.init_state(jax.tree.map(jnp.copy, params))
     placed = advantage_batch(step, state)
     before = jax.tree.map(np.asarray, state)
-    kept, _ = step.update(state, placed, donate=False)
+    step.update(jax.tree.map(jnp.copy, state), placed)  # the donating programs, compiled
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        kept, _ = step.update(state, placed, donate=False)
+    # The optimizer step is not compiled a second time: the kept update donates a copy of the state.
+    compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    assert compiled and not any("_apply_fn" in m for m in compiled), compiled
     for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(state)):  # still readable, unchanged
         np.testing.assert_array_equal(a, np.asarray(c))
     donated, _ = step.update(state, placed)
