@@ -1,6 +1,6 @@
 """MAGE on ALFWorld: ``python -m experiments.alfworld``.
 
-Household text tasks (spec 7.5): the TextWorld observation, the admissible commands listed in every
+Household text tasks (docs/method.md §7.5): the TextWorld observation, the admissible commands listed in every
 prompt, reward 10 for completing the task, 10 turns. Training games come from the ``train`` split;
 evaluation reports
 

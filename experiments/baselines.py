@@ -84,7 +84,7 @@ PAPER_TABLE1: dict[str, dict[str, float]] = {
         ("mage", (0.656, 0.672, 0.914, 0.773, 1.000)),
     )
 }
-"""Spec section 10: final-episode success on 128 evaluation instances (Qwen3-4B)."""
+"""docs/method.md §10: final-episode success on 128 evaluation instances (Qwen3-4B)."""
 
 
 def method(name: str) -> Method:

@@ -6,7 +6,7 @@ action strings and saved in the run directory), then evaluates it on held-out de
 training pool and the held-out CFR opponent, and prints success@k and payoff@k next to the oracle's
 reference numbers on the same evaluation meta-episodes.
 
-MAGE settings (spec sections 4-6): differential meta-reward, GiGPO with mean normalisation, global
+MAGE settings (docs/method.md §4-6): differential meta-reward, GiGPO with mean normalisation, global
 anchors, opponent pool conservative / aggressive / intermediate at 0.3 / 0.3 / 0.4 with one opponent
 per group (stationary grouping), mixed seats, N = 3 episodes per meta-episode.
 
@@ -47,7 +47,7 @@ Design of the ``tiny`` preset (why it differs from the paper's Qwen3-4B recipe):
 * Evaluation: 512 held-out meta-episodes against the training pool (mixed seats) and 256 against
   CFR in the second seat, at the paper's evaluation sampling (temperature 0.7, top-p 0.8, top-k 20).
 
-Presets ``small`` (Qwen3-0.6B) and ``paper`` (Qwen3-4B, spec section 8) load a local Hugging Face
+Presets ``small`` (Qwen3-0.6B) and ``paper`` (Qwen3-4B, docs/method.md §8) load a local Hugging Face
 folder given with ``--model-path DIR`` (nothing is downloaded) and use full prompts with reflections.
 
 Examples::
@@ -129,8 +129,8 @@ TINY = {
 }
 
 # The pretrained scales share the recipe of every environment (experiments.presets): Qwen3 from a
-# local folder, reflections with the privileged-information hint of spec section 3, the paper's
-# Kuhn Poker column of spec section 8; ``paper`` runs in bfloat16 with state sharded over all devices.
+# local folder, reflections with the privileged-information hint of docs/method.md §3, the paper's
+# Kuhn Poker column of docs/method.md §8; ``paper`` runs in bfloat16 with state sharded over all devices.
 SMALL = {**_MAGE_KUHN, **small_overrides("kuhn_poker", privileged_reflection=True)}
 SMALL_LORA = {**_MAGE_KUHN, **small_lora_overrides("kuhn_poker", privileged_reflection=True)}
 PAPER = {**_MAGE_KUHN, **paper_overrides("kuhn_poker", privileged_reflection=True)}
@@ -141,7 +141,7 @@ PRESETS: dict[str, Preset] = {
                     hardware=SMALL_HARDWARE),
     "small-lora": Preset(SMALL_LORA, "the small preset with LoRA adapters, for one 16 GB GPU (Colab T4)",
                          needs_model_path=True, hardware=LORA_HARDWARE),
-    "paper": Preset(PAPER, "Qwen3-4B from --model-path, the paper's settings (spec section 8)",
+    "paper": Preset(PAPER, "Qwen3-4B from --model-path, the paper's settings (docs/method.md §8)",
                     needs_model_path=True, hardware=PAPER_HARDWARE),
 }
 

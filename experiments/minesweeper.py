@@ -1,6 +1,6 @@
 """MAGE on MineSweeper (a LaMer task): ``python -m experiments.minesweeper``.
 
-6x6 board with 3 mines, one cell revealed per turn, 7 turns, +10 for clearing the board (spec 7.4);
+6x6 board with 3 mines, one cell revealed per turn, 7 turns, +10 for clearing the board (docs/method.md §7.4);
 every episode of a meta-episode replays the same board, so earlier episodes reveal where the mines
 are. LaMer reports 74.4% pass@3. Evaluation on held-out boards next to a uniformly random policy
 over the hidden cells.

@@ -10,7 +10,7 @@ Scales (``--preset``):
   full prompts with reflections, reduced batch and lengths: one 24 GB GPU (``SMALL_HARDWARE``).
 * ``small-lora`` — ``small`` with rank-16 LoRA adapters (frozen bfloat16 base), sized for one 16 GB
   Colab GPU (T4, ``LORA_HARDWARE``); see ``small_lora_overrides``.
-* ``paper`` — Qwen3-4B from a local folder with the paper's settings (spec section 8), parameters
+* ``paper`` — Qwen3-4B from a local folder with the paper's settings (docs/method.md §8), parameters
   and optimizer state sharded over all devices (``mesh.fsdp=-1``): a host of 8 H100 80 GB or a TPU
   v5p-8 (``PAPER_HARDWARE``).
 
@@ -40,7 +40,7 @@ from mage_jax.training.run import RunOutcome, evaluate, train
 
 @dataclasses.dataclass(frozen=True)
 class PaperSettings:
-    """One column of the paper's settings table (spec section 8)."""
+    """One column of the paper's settings table (docs/method.md §8)."""
 
     num_tasks: int
     group_size: int
@@ -54,7 +54,7 @@ class PaperSettings:
     gamma_traj: float
     eval_num_episodes: int = 3
     """Episodes per evaluation meta-episode: the paper reports ALFWorld up to the 10th attempt and
-    WebShop by the 5th (spec section 2: evaluation may run more episodes than training)."""
+    WebShop by the 5th (docs/method.md §2: evaluation may run more episodes than training)."""
 
 
 PAPER_SETTINGS: dict[str, PaperSettings] = {
@@ -232,7 +232,7 @@ def scale_presets(env_overrides: Mapping[str, Any], tiny: Mapping[str, Any], env
                              "the small preset with LoRA adapters, for one 16 GB GPU (Colab T4)",
                              needs_model_path=True, hardware=LORA_HARDWARE),
         "paper": Preset({**env_overrides, **paper_overrides(env, **pretrained_kwargs)},
-                        "Qwen3-4B from --model-path, the paper's settings (spec section 8)",
+                        "Qwen3-4B from --model-path, the paper's settings (docs/method.md §8)",
                         needs_model_path=True, hardware=PAPER_HARDWARE),
     }
 

@@ -1,6 +1,6 @@
 """MAGE on Sokoban: ``python -m experiments.sokoban``.
 
-6x6 rooms with 2 boxes made by reverse play (spec 7.3), up to 3 moves per turn, 7 turns, a dead end
+6x6 rooms with 2 boxes made by reverse play (docs/method.md §7.3), up to 3 moves per turn, 7 turns, a dead end
 ends the episode. Evaluation: ``eval`` on held-out 2-box rooms (the paper's Table 1 entry, 0.773 for
 MAGE) and the held-out generalisation sets ``boxes_1`` and ``boxes_3`` (the paper: 91.4% and 46.1%),
 each next to a uniformly random legal-move policy on the same rooms. γ_traj = 0.9 at paper scale

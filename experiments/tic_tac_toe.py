@@ -1,6 +1,6 @@
 """MAGE on Tic-Tac-Toe: ``python -m experiments.tic_tac_toe``.
 
-Training pool (spec 7.2): MCTS-100 (half of the groups) and the six preferred-order players plus a
+Training pool (docs/method.md §7.2): MCTS-100 (half of the groups) and the six preferred-order players plus a
 uniformly random player (the other half), one opponent per group, mixed seats, the agent always X.
 Evaluation:
 

@@ -1,6 +1,6 @@
 """MAGE on WebShop: ``python -m experiments.webshop``.
 
-Shopping for the product of an instruction in a text web store (spec 7.6): search and click
+Shopping for the product of an instruction in a text web store (docs/method.md §7.6): search and click
 actions, the admissible actions listed in every prompt, reward 10 only for a purchase that scores
 1.0, 12 turns. Training goals come from the ``train`` split; evaluation reports
 

@@ -2,7 +2,7 @@
 
 One ``ExperimentConfig`` describes a whole run (environment, model, tokenizer, sampling, rollout,
 algorithm, optimisation, loop, checkpoints, logging, device mesh). Defaults are the paper-scale
-Kuhn Poker settings of the spec (sections 2, 5, 8); experiment modules define presets as dotted
+Kuhn Poker settings of docs/method.md (§2, §5, §8); experiment modules define presets as dotted
 override maps on top of them (``{"optim.lr": 1e-3, ...}``).
 
 Overrides use dotted keys and are parsed against the field's declared type, so command lines and
@@ -70,7 +70,7 @@ Aggregation = Literal[AGG_MODES]
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
-    """Environment, opponent pool, seats and grouping (spec section 6)."""
+    """Environment, opponent pool, seats and grouping (docs/method.md §6)."""
 
     name: str = "kuhn_poker"
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -136,7 +136,7 @@ class SamplingSection:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """Training samples at temperature 1 with no truncation; evaluation as the paper (spec section 8)."""
+    """Training samples at temperature 1 with no truncation; evaluation as the paper (docs/method.md §8)."""
 
     train: SamplingSection = SamplingSection()
     eval: SamplingSection = SamplingSection(temperature=0.7, top_p=0.8, top_k=20)
@@ -144,7 +144,7 @@ class SamplingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """Meta-episode shape (spec section 2) and prompt options (section 3)."""
+    """Meta-episode shape (docs/method.md §2) and prompt options (§3)."""
 
     num_tasks: int = 16
     """B: task instances per iteration."""
@@ -180,7 +180,7 @@ class RolloutConfig:
     """Token-length buckets of prompts (sampler) and of prompt + response rows (training); each bucket
     compiles once. Empty: 64, 96, 128, 192, ... up to the limits."""
     privileged_reflection: bool = True
-    """Training reflect prompts show the environment's privileged text (Kuhn's both-cards quirk, spec 7.1)."""
+    """Training reflect prompts show the privileged text (Kuhn's both-cards quirk, docs/method.md §7.1)."""
     engine: RolloutScheduling = "continuous"
     """How the LLM calls of a rollout (training, evaluation, zero-shot baselines) are scheduled:
     ``continuous`` (the rollout engine: decode slots, a meta-episode's next prompt starts as soon as its
@@ -194,7 +194,7 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
-    """Credit assignment: reward design, returns, advantage estimator (spec sections 4 and 5).
+    """Credit assignment: reward design, returns, advantage estimator (docs/method.md §4 and §5).
 
     MAGE = ``differential`` + ``gigpo``; LaMer = ``cumulative`` + ``gigpo``; the single-episode RL
     baselines use ``num_episodes=1`` with ``grpo`` or ``gigpo``.
@@ -218,7 +218,7 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW + PPO-style loss (spec section 5)."""
+    """AdamW + PPO-style loss (docs/method.md §5)."""
 
     lr: float = 1e-6
     b1: float = 0.9

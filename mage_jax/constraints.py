@@ -3,7 +3,7 @@
 A ``TokenAutomaton`` is a table ``transitions[S, V]`` (next state, or -1 when the token is disallowed)
 with start state 0; EOS is allowed exactly in accepting states. ``automaton_from_completions`` builds
 the trie that accepts exactly a list of token sequences followed by EOS ("the response is one of these
-legal action strings", spec section 3's constrained actions).
+legal action strings", docs/method.md §3's constrained actions).
 
 The sampler (``mage_jax.sampling``) masks each draw with ``allowed_tokens`` of the row's current state;
 the train step replays the automaton over the sampled tokens with ``constraint_masks``, so the

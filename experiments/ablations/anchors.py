@@ -2,7 +2,7 @@
 
 GiGPO's step-level groups pool rows with equal anchors. ``global`` (MAGE) anchors carry no episode
 index, so equal states of episodes 0, 1, 2 of a group share one baseline; ``local`` prefixes the
-episode index, so each episode's states are compared only among themselves (spec section 5).
+episode index, so each episode's states are compared only among themselves (docs/method.md §5).
 The paper: Kuhn Poker 65.6 (global) vs 33.6 (local).
 
     python -m experiments.ablations.anchors --seeds 0,1,2               # Kuhn Poker, tiny, CPU

@@ -2,7 +2,7 @@
 
 ``stationary`` (MAGE): every group of G meta-episodes meets one opponent for the whole run, so the
 group baseline is a per-opponent baseline. ``mixed``: the meta-episodes of a group meet different
-opponents (in the pool ratio), so the baseline mixes opponents (spec section 6).
+opponents (in the pool ratio), so the baseline mixes opponents (docs/method.md §6).
 The paper: 67.2 (stationary) vs 54.7 (mixed).
 
     python -m experiments.ablations.grouping --seeds 0,1,2              # Kuhn Poker, tiny, CPU

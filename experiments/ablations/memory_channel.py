@@ -4,7 +4,7 @@ MAGE's core channel is the agent's own reflection carried into the next episode.
 from scratch cannot write English, so here a reflection is constrained, like an action, to
 ``<remark>`` + 1 to 3 words of a small vocabulary (``WORDS``: the card names, what the opponent did,
 a judgement and the two actions) + ``</remark>``, and learned from scratch with the same credit
-(a reflect row takes the return of the next play row, spec section 4). Four arms, everything else
+(a reflect row takes the return of the next play row, docs/method.md §4). Four arms, everything else
 the ``tiny`` preset of ``experiments.kuhn_poker``:
 
 * ``none`` — no memory at all: N = 3 episodes, the same credit, but no prompt shows an earlier

@@ -1,6 +1,6 @@
 """Reward-design ablation: ``python -m experiments.ablations.reward_design``.
 
-Variants (spec section 4): ``differential`` (MAGE, d_n = R_n − R_{n−1}: the final-episode
+Variants (docs/method.md §4): ``differential`` (MAGE, d_n = R_n − R_{n−1}: the final-episode
 objective), ``cumulative`` (LaMer, d_n = R_n) and ``single_episode`` (d_n = R_n with no return
 propagated across episodes, γ_traj = 0). Everything else is the MAGE preset of the environment.
 The paper reports differential > cumulative > single-episode (ALFWorld 91.4 vs 89.8).

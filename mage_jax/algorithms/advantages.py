@@ -1,4 +1,4 @@
-"""Advantage estimators over flat per-row arrays, in a registry by name (spec section 5).
+"""Advantage estimators over flat per-row arrays, in a registry by name (docs/method.md §5).
 
 ``compute_advantages(name, rows, cfg)`` returns one float32 advantage per row (0 on padding rows);
 the trainer broadcasts it to every response token of the row. ``AdvantageConfig`` is the checked,
@@ -48,7 +48,7 @@ ANCHOR_MODES = ("global", "local")
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-    """Credit-assignment settings (defaults: MAGE, spec sections 4-5)."""
+    """Credit-assignment settings (defaults: MAGE, docs/method.md §4-5)."""
 
     reward_design: str = "differential"
     gamma_step: float = 0.95

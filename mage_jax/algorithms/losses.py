@@ -1,4 +1,4 @@
-"""Policy losses over padded token arrays [B, T] (spec section 5): PPO clip with dual clip, loss
+"""Policy losses over padded token arrays [B, T] (docs/method.md §5): PPO clip with dual clip, loss
 aggregation, KL estimators, entropy, and chunked per-token log-probs from the final hidden states.
 
 All functions are pure; B is rows (responses), T response tokens, and ``response_mask`` marks real

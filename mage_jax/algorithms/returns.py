@@ -1,4 +1,4 @@
-"""Rewards and returns of meta-episodes over flat per-row arrays (spec section 4).
+"""Rewards and returns of meta-episodes over flat per-row arrays (docs/method.md §4).
 
 One row is one LLM call. Rows of a training batch arrive flat and in any order; the structure
 (group → meta-episode → episode → time step) lives in integer id columns. Every function here is
@@ -267,7 +267,7 @@ def row_scores(
 def step_returns(
     rows: RowBatch, meta_reward: jax.Array, *, gamma_step: float = 0.95, gamma_traj: float = 0.6
 ) -> jax.Array:
-    """Step return G of every row (spec section 4), given the per-row d_n from ``meta_rewards``.
+    """Step return G of every row (docs/method.md §4), given the per-row d_n from ``meta_rewards``.
 
     Backward walk of each meta-episode in time order: only the last play row of episode n carries
     s = d_n; a play row discounts the running value with γ_step when the next play row is of the

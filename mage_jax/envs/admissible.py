@@ -1,6 +1,6 @@
 """Fitting a long admissible-action list into a prompt budget (ALFWorld, WebShop).
 
-The runner lists ``env.legal_actions()`` in play prompts (spec section 3, item 5) and shortens only
+The runner lists ``env.legal_actions()`` in play prompts (docs/method.md §3, item 5) and shortens only
 memory and history when a prompt is too long; the admissible list itself must therefore arrive
 already bounded. Policy: an environment gives its list a character budget (``admissible_chars``,
 about four characters per token) and a rank per action (lower = more useful now). Actions are

@@ -1,4 +1,4 @@
-"""ALFWorld (spec 7.5): household text tasks played on the TextWorld engine, from the user's local data.
+"""ALFWorld (docs/method.md §7.5): household text tasks on the TextWorld engine, from the user's local data.
 
 Data: the ALFWorld game files under ``$ALFWORLD_DATA/json_2.1.1/<folder>/<task>-<object>-...-<scene>/
 <trial>/`` (``traj_data.json`` and ``game.tw-pddl``, written by ``alfworld-download``); the folder is

@@ -1,4 +1,4 @@
-"""Anchor strings: the one place that defines GiGPO's step-level grouping keys (spec sections 1, 5, 6)."""
+"""Anchor strings: the one place that defines GiGPO's step-level grouping keys (docs/method.md §1, §5, §6)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class PromptSpec:
 
     ``preamble`` is for pretrained LLMs (role, rules, goal, action format); ``compact_preamble`` is
     the same information in few words for small from-scratch models with a word-level vocabulary.
-    ``history_window`` is W of spec section 3 (moves shown from the current episode).
+    ``history_window`` is W of docs/method.md §3 (moves shown from the current episode).
     """
 
     preamble: str

@@ -1,4 +1,4 @@
-"""Kuhn Poker (spec section 7.1): the agent against one scripted or CFR opponent, in either seat.
+"""Kuhn Poker (docs/method.md §7.1): the agent against one scripted or CFR opponent, in either seat.
 
 Rules and payoffs are OpenSpiel's ``kuhn_poker``: deck Jack < Queen < King, both players ante 1,
 player 0 acts first, PASS (0) checks or folds, BET (1) bets or calls. A bet followed by a pass

@@ -1,6 +1,6 @@
-"""MineSweeper (spec 7.4, after LaMer): 6x6 board, 3 mines, one reveal per turn, +10 for clearing it.
+"""MineSweeper (docs/method.md §7.4, after LaMer): 6x6 board, 3 mines, one reveal per turn, +10 when cleared.
 
-Decisions (the spec leaves them open):
+Decisions (docs/method.md §7.4 leaves them open):
 
 * The mines are fixed by the seed when the task is drawn; the first reveal is *not* protected, so
   ``restart()`` replays exactly the same board and what an earlier trial uncovered (including a mine

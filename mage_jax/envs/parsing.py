@@ -1,4 +1,4 @@
-"""Extracting actions and reflections from raw model output (spec section 3).
+"""Extracting actions and reflections from raw model output (docs/method.md §3).
 
 Parsing never raises: any string (unicode, megabytes, unclosed or nested tags) yields either the
 extracted text or None. One rule for every environment:

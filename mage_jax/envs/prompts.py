@@ -1,4 +1,4 @@
-"""Play and reflect prompts and the memory of earlier episodes (spec section 3).
+"""Play and reflect prompts and the memory of earlier episodes (docs/method.md §3).
 
 This is the only place that turns episodes into prompt text: every environment provides a
 ``PromptSpec`` (its preamble, action format and history window W) and the runner keeps ``Move`` and
@@ -174,7 +174,7 @@ def render_trajectory(record: EpisodeRecord, episode: int, *, style: str = "full
 
 def render_memory(memory: Sequence[EpisodeRecord], *, memory_mode: str = "reflection_only",
                   style: str = "full") -> str:
-    """What the next episode carries from the earlier ones (spec section 3, item 3); "" when empty
+    """What the next episode carries from the earlier ones (docs/method.md §3, item 3); "" when empty
     (and always with ``memory_mode="none"``)."""
     _check_options(memory_mode, style)
     if memory_mode == "none":

@@ -1,4 +1,4 @@
-"""Sokoban (spec 7.3): 6x6 rooms made by reverse play, up to 3 moves per turn, dead-end detection.
+"""Sokoban (docs/method.md §7.3): 6x6 rooms made by reverse play, up to 3 moves per turn, dead-end detection.
 
 A room is 6x6 cells including its outer wall, so the floor lies in the inner 4x4. Rooms are drawn
 per ``(seed, num_boxes)`` in the manner of gym-sokoban: carve a floor by a random walk, put the
@@ -12,7 +12,7 @@ episode (dead end). That check runs only after a push (walking never changes sol
 tries the exact "dead square" test (a box off-target on a cell from which no box could ever reach a
 target, even alone), then a depth-limited search that prunes such squares, cached per state.
 
-Action rules (spec 7.3; details decided here): the text inside ``<action>`` is split on commas and
+Action rules (docs/method.md §7.3; details decided here): the text inside ``<action>`` is split on commas and
 blank pieces are dropped. More than 3 pieces is an invalid turn. Each piece maps to the earliest
 keyword among up/down/left/right/still found in it (case-insensitive, substring match: "go up" and
 "upwards" are up); pieces without a keyword are skipped, and a turn with no move at all is invalid.
@@ -116,7 +116,7 @@ def _bits(mask: int):
 
 
 def render_room(walls: int, targets: int, boxes: int, player: int) -> str:
-    """One line per row, ``"<i>:"`` (0-based) then one symbol per cell (spec 7.3)."""
+    """One line per row, ``"<i>:"`` (0-based) then one symbol per cell (docs/method.md §7.3)."""
     lines = []
     for row in range(SIZE):
         cells = []

@@ -1,4 +1,4 @@
-"""Tic-Tac-Toe (spec section 7.2): the agent is always X, also when the opponent (O) moves first.
+"""Tic-Tac-Toe (docs/method.md §7.2): the agent is always X, also when the opponent (O) moves first.
 
 Cells are numbered as OpenSpiel numbers them, ``row * 3 + col`` (0-based); a game is the list of
 cells played, starting with whoever moves first (seat 0: the agent, seat 1: the opponent). The

@@ -1,4 +1,4 @@
-"""The evaluation of a parameter state over named splits, each with its reference numbers (spec section 8).
+"""The evaluation of a parameter state over named splits, each with its reference numbers (docs/method.md §8).
 
 Splits:
 

@@ -1,4 +1,4 @@
-"""Evaluation metrics of meta-episodes (spec section 9), as plain JSON-serialisable dicts.
+"""Evaluation metrics of meta-episodes (docs/method.md §9), as plain JSON-serialisable dicts.
 
 ``k`` is the episode index (0-based, as the rest of the code): ``success@k`` is the share of
 meta-episodes won in at least one of episodes 0..k, so ``success@2`` is the paper's Pass@3. A

@@ -1,4 +1,4 @@
-"""The Kuhn Poker oracle: what any agent can reach on a set of evaluation meta-episodes (spec 7.1, 9).
+"""The Kuhn Poker oracle: what any agent can reach on evaluation meta-episodes (docs/method.md §7.1, §9).
 
 Every Kuhn opponent is deterministic, so a meta-episode (deal, seat, opponent) is a small game
 tree the agent walks alone. The oracle measures, exactly (no sampling):

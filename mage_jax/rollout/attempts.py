@@ -1,7 +1,7 @@
 """N independent one-episode attempts of every task, scored like one meta-episode of N episodes.
 
 The single-episode RL baselines (GRPO, GiGPO) and ReAct are evaluated over N *independent* attempts:
-no memory and no reflection between them (spec section 8). Each attempt is an ordinary one-episode
+no memory and no reflection between them (docs/method.md §8). Each attempt is an ordinary one-episode
 meta-episode of the same task; the attempts of a task are then joined in order, stopping after the
 first win (the early stop of a meta-episode), so success@k means the same thing for every method.
 Stochastic opponents are re-seeded for every attempt (each attempt resets the task), where a

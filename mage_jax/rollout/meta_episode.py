@@ -1,4 +1,4 @@
-"""The meta-episode runner (spec section 2): lockstep or continuous-batching schedules.
+"""The meta-episode runner (docs/method.md §2): lockstep or continuous-batching schedules.
 
 ``MetaEpisodeRunner.run`` plays one meta-episode per task. Each meta-episode is a coroutine
 (``_meta_episode``) that yields the LLM calls it needs, one at a time, and receives their responses:
@@ -9,7 +9,7 @@ different meta-episodes are scheduled changes nothing they see:
 
 * lockstep (a policy without a stream): every turn renders the play prompts of all environments still
   playing and makes *one* batched ``policy.generate`` call; after the play phase, one batched call for
-  all reflections (the spec's schedule);
+  all reflections (the schedule of docs/method.md §2);
 * continuous batching (``policy.open_stream()``, ``LLMPolicy`` with a ``rollout.engine.RolloutEngine``):
   a meta-episode's next prompt is submitted as soon as its previous response is back and its environment
   stepped, so no meta-episode waits for the slowest response of a turn. Rows come back in completion
@@ -70,7 +70,7 @@ _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
-    """How meta-episodes are played (spec sections 2 and 3).
+    """How meta-episodes are played (docs/method.md §2 and §3).
 
     ``num_episodes``: N. ``max_turns``: None uses the environment's own limit. ``constrained_actions``:
     play rows are decoded under the constraint ``<action>X</action>`` for X in ``env.legal_actions()``.
@@ -308,7 +308,7 @@ class MetaEpisodeRunner:
 
     def _drive_lockstep(self, plays: list[_Play], policy: Policy) -> None:
         """Lockstep: every meta-episode waiting on the earliest (episode, phase, turn) is generated in one
-        batched call; the others wait. This is the spec's turn-by-turn schedule: all play turns of an
+        batched call; the others wait. This is the turn-by-turn schedule of §2: all play turns of an
         episode, then its reflections, then the next episode."""
         pending = {i: c for i, c in ((i, _advance(p, None)) for i, p in enumerate(plays)) if c is not None}
         while pending:

@@ -5,7 +5,7 @@ adapts the real tokenizer and jitted sampler; ``ScriptedPolicy`` answers from a 
 is what the runner's tests (and baselines such as "random" or "best fixed") use.
 
 One ``generate`` call is one batched LLM call: the runner passes every active row of every
-environment at once (spec section 2, item 4).
+environment at once (docs/method.md §2, item 4).
 """
 
 from __future__ import annotations

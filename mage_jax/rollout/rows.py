@@ -1,6 +1,6 @@
 """Row records and their packing into fixed-shape arrays for the jitted train step.
 
-A *row* is one LLM call (a play turn or a reflection, spec section 1). The runner emits one ``Row``
+A *row* is one LLM call (a play turn or a reflection, docs/method.md §1). The runner emits one ``Row``
 per call; ``pack_rows`` turns a list of rows into
 
 * token arrays ``[R, T]`` in a small set of shapes (R a multiple of ``row_bucket``, T the smallest
@@ -8,7 +8,7 @@ per call; ``pack_rows`` turns a list of rows into
 * the per-row ``RowBatch`` the pure-JAX algorithms compute returns and advantages from.
 
 Padding rows exist only to reach the bucketed shape: they have ``mask = False``, no tokens in any
-mask, and are never copies of real rows (copies would bias the group means; spec section 11).
+mask, and are never copies of real rows (copies would bias the group means; docs/method.md §11).
 
 Token layout (right padding): row ``r`` holds ``prompt + response`` from position 0, then ``pad_id``.
 Per-target arrays are shifted by one: index ``t`` describes the prediction of token ``t + 1`` from the
@@ -32,7 +32,7 @@ PHASES = ("play", "reflect")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Row:
-    """One LLM call as the trainer and the evaluation see it (spec section 2, item 5).
+    """One LLM call as the trainer and the evaluation see it (docs/method.md §2, item 5).
 
     ``turn`` is the play turn inside the episode (0-based; reflect rows: 0); ``step`` is the time
     order of the row inside its meta-episode (0, 1, 2, ... over play and reflect rows). ``valid`` is

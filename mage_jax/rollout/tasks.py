@@ -1,6 +1,6 @@
 """Task sampling: which task instances, opponents and seats the meta-episodes of an iteration get.
 
-Spec sections 2 and 6. One training iteration plays ``B`` task instances, each replicated ``G`` times
+docs/method.md §2 and §6. One training iteration plays ``B`` task instances, each replicated ``G`` times
 into a *group* of meta-episodes that share the seed (same deal / board / puzzle / goal), the opponent
 and the seat, so that the group mean is a baseline for exactly one situation.
 
@@ -62,7 +62,7 @@ class Task:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSamplerConfig:
-    """Shape of the task batch of one iteration (spec section 2) and the opponent pool (section 6).
+    """Shape of the task batch of one iteration (docs/method.md §2) and the opponent pool (§6).
 
     ``opponents`` maps opponent names to pool ratios (normalised here; need not sum to one), or is
     None for single-agent tasks. ``eval_seed`` fixes the held-out instances independently of the

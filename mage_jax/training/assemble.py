@@ -162,7 +162,7 @@ def make_runner(cfg: C.ExperimentConfig, *, num_episodes: int, keep_text: bool =
 def make_eval_runner(cfg: C.ExperimentConfig,
                      eval_mode: str = "meta") -> MetaEpisodeRunner | IndependentAttemptsRunner:
     """``meta``: meta-episodes of ``train.eval_num_episodes`` episodes; ``independent``: that many
-    one-episode attempts without memory (the single-episode baselines and ReAct, spec section 8)."""
+    one-episode attempts without memory (the single-episode baselines and ReAct, docs/method.md §8)."""
     if eval_mode not in EVAL_MODES:
         raise C.ConfigError(f"eval_mode must be one of {', '.join(EVAL_MODES)} (got {eval_mode!r})")
     n = cfg.train.eval_num_episodes

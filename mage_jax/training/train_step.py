@@ -1,4 +1,4 @@
-"""The jitted policy update and the log-prob recompute (spec section 5).
+"""The jitted policy update and the log-prob recompute (docs/method.md §5).
 
 Both functions take the parameter state as a jit argument (functional NNX: the graph definition is
 closed over, the state travels) and a mini-batch of fixed shape ``[R, T]`` in the ``PackedBatch``
@@ -175,7 +175,7 @@ def lr_decay(kind: str, progress: float, end_fraction: float = 0.0) -> float:
 def make_optimizer(
     schedule: optax.Schedule, *, b1: float, b2: float, weight_decay: float, grad_clip: float
 ) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW (spec section 5)."""
+    """Global-norm clipping then AdamW (docs/method.md §5)."""
     return optax.chain(
         optax.clip_by_global_norm(grad_clip),
         optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay),

@@ -1,5 +1,5 @@
 """The MAGE training loop: collect -> credit -> recompute -> update epochs, with evaluation, checkpoint
-and logging cadences (spec section 2).
+and logging cadences (docs/method.md §2).
 
 One iteration ``i`` (1-based):
 

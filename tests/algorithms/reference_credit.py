@@ -1,4 +1,4 @@
-"""A literal plain-Python reading of spec sections 4-5, used as an oracle for the JAX kernels,
+"""A literal plain-Python reading of docs/method.md §4-5, used as an oracle for the JAX kernels,
 and a generator of random but well-formed meta-episode batches."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _meta_episodes(rows):
 
 def credit(rows, *, design="differential", gamma_step=0.95, gamma_traj=0.6, invalid_penalty=0.5,
            length_penalty=0.0, max_len=None):
-    """Per-row d, penalty, e, G, and per-meta-episode Σd, all by the spec's words."""
+    """Per-row d, penalty, e, G, and per-meta-episode Σd, all by the words of §4."""
     n = len(rows)
     d, G, pen = [0.0] * n, [0.0] * n, [0.0] * n
     meta_total = {}

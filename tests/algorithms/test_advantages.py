@@ -1,4 +1,4 @@
-"""Advantage estimators: GiGPO (MAGE), GRPO, RLOO (spec section 5)."""
+"""Advantage estimators: GiGPO (MAGE), GRPO, RLOO (docs/method.md §5)."""
 
 import itertools
 import statistics
@@ -29,7 +29,7 @@ def close(actual, expected, atol=1e-5):
 
 
 def kuhn_group() -> RowBatch:
-    """Group 0: meta-episode 0 is the spec's Kuhn example, meta-episode 1 won in episode 0 (+10).
+    """Group 0: meta-episode 0 is the Kuhn example of docs/method.md §4, meta-episode 1 wins episode 0 (+10).
     Group 1 holds a single row (a pool of one). Anchor 1 = the initial state, 9 = reflection."""
     return RowBatch.create(
         group=[0, 0, 0, 0, 0, 1], meta_episode=[0, 0, 0, 0, 1, 0], episode=[0, 0, 1, 1, 0, 0],
@@ -125,7 +125,7 @@ def broadcast(per_meta):
 
 
 def test_grpo_divides_by_the_group_mean_and_std_under_either_norm_setting():
-    """GRPO is (score - group mean) / (group std + eps) by definition (spec section 5)."""
+    """GRPO is (score - group mean) / (group std + eps) by definition (docs/method.md §5)."""
     rows = grpo_group()
     std = statistics.stdev([10.0, 10.0, -5.0])
     expected = broadcast([5 / (std + EPS), 5 / (std + EPS), -10 / (std + EPS), 0.0])

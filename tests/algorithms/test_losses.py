@@ -1,4 +1,4 @@
-"""PPO dual-clip loss, aggregation, KL estimators, entropy, chunked token log-probs (spec section 5)."""
+"""PPO dual-clip loss, aggregation, KL estimators, entropy, chunked token log-probs (docs/method.md §5)."""
 
 import jax
 import jax.numpy as jnp

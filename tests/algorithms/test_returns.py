@@ -1,4 +1,4 @@
-"""Meta-rewards d_n, row scores e and step returns G (spec section 4)."""
+"""Meta-rewards d_n, row scores e and step returns G (docs/method.md §4)."""
 
 import jax
 import numpy as np
@@ -27,7 +27,7 @@ def make(**columns) -> RowBatch:
 
 
 def kuhn_example() -> RowBatch:
-    """Spec section 4: episode 0 loses in one turn (-5), reflect, episode 1 wins in two turns (+10)."""
+    """docs/method.md §4: episode 0 loses in one turn (-5), reflect, episode 1 wins in two turns (+10)."""
     return make(
         group=[0, 0, 0, 0], meta_episode=[0, 0, 0, 0], episode=[0, 0, 1, 1], step=[0, 1, 2, 3],
         is_reflect=[False, True, False, False], anchor=[1, 9, 1, 2], env_reward=[-5.0, 0.0, 0.0, 10.0],

@@ -1,4 +1,4 @@
-"""Anchor strings (spec sections 1, 5, 6): the opponent is part of every anchor of a game."""
+"""Anchor strings (docs/method.md §1, §5, §6): the opponent is part of every anchor of a game."""
 
 from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 

@@ -1,4 +1,4 @@
-"""Kuhn Poker environment (spec section 7.1): OpenSpiel's rules, observations, rewards, restarts."""
+"""Kuhn Poker environment (docs/method.md §7.1): OpenSpiel's rules, observations, rewards, restarts."""
 
 from __future__ import annotations
 

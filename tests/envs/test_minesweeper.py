@@ -1,4 +1,4 @@
-"""MineSweeper (spec 7.4): seeded boards, flood fill, win / loss, invalid turns, restarts."""
+"""MineSweeper (docs/method.md §7.4): seeded boards, flood fill, win / loss, invalid turns, restarts."""
 
 import pytest
 

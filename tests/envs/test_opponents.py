@@ -1,4 +1,4 @@
-"""Opponents (spec sections 6, 7.1, 7.2): scripted Kuhn players, CFR, preferred-order, random, MCTS."""
+"""Opponents (docs/method.md §6, §7.1, §7.2): scripted Kuhn players, CFR, preferred-order, random, MCTS."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_preferred_order_players_play_the_first_empty_cell_of_their_list():
             assert player.act(moves) == expected
 
 
-SPEC_ORDERS = (  # spec section 7.2, (row, col) 0-based, written as "rc"
+SPEC_ORDERS = (  # docs/method.md §7.2, (row, col) 0-based, written as "rc"
     "11 00 02 20 22 01 10 12 21",
     "00 02 20 22 11 01 10 12 21",
     "01 10 12 21 11 00 02 20 22",

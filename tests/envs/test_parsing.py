@@ -1,4 +1,4 @@
-"""Action and reflection extraction (spec section 3; the rule is in ``mage_jax.envs.parsing``)."""
+"""Action and reflection extraction (docs/method.md §3; the rule is in ``mage_jax.envs.parsing``)."""
 
 from mage_jax.envs.parsing import extract_action, extract_reflection, strip_thinking
 

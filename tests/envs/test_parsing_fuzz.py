@@ -1,5 +1,5 @@
 """Parsers and environments never raise on model output, and bad output is an invalid turn that changes
-nothing (spec section 3): unicode, huge strings, nested / unclosed / repeated tags, think blocks."""
+nothing (docs/method.md §3): unicode, huge strings, nested / unclosed / repeated tags, think blocks."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -1,4 +1,4 @@
-"""Play / reflect prompt rendering and memory (spec section 3)."""
+"""Play / reflect prompt rendering and memory (docs/method.md §3)."""
 
 import os
 from pathlib import Path

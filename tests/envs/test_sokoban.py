@@ -1,4 +1,4 @@
-"""Sokoban (spec 7.3 and the section 11 reward fix): rooms, solver, dead ends, moves and rewards."""
+"""Sokoban (docs/method.md §7.3 and the §11 reward fix): rooms, solver, dead ends, moves and rewards."""
 
 import math
 import random

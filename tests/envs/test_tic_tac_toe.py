@@ -1,4 +1,4 @@
-"""Tic-Tac-Toe environment (spec section 7.2): OpenSpiel's rules, the X-always board, parsing, restarts."""
+"""Tic-Tac-Toe environment (docs/method.md §7.2): OpenSpiel's rules, the X-always board, parsing, restarts."""
 
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ def test_independent_evaluation_mode_plays_one_episode_attempts():
 
 
 def test_evaluation_may_play_more_episodes_than_training():
-    """Spec section 2: evaluation runs N_eval >= N episodes (the paper: ALFWorld 10, WebShop 5)."""
+    """docs/method.md §2: evaluation runs N_eval >= N episodes (the paper: ALFWorld 10, WebShop 5)."""
     sizes = {"rollout.num_episodes": 2, "train.eval_num_episodes": 5, "train.eval_meta_episodes": 6,
              "train.eval_heldout_meta_episodes": 4}
     parts = _fake_parts("kuhn_poker", **sizes)

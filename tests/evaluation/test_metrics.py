@@ -1,4 +1,4 @@
-"""success@k, draw@k, score@k and payoff@k on hand-made outcomes (spec section 9)."""
+"""success@k, draw@k, score@k and payoff@k on hand-made outcomes (docs/method.md §9)."""
 
 import json
 

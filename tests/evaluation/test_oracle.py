@@ -1,4 +1,4 @@
-"""Kuhn Poker oracle (spec sections 7.1 and 9): winnable share, random and best fixed references."""
+"""Kuhn Poker oracle (docs/method.md §7.1 and §9): winnable share, random and best fixed references."""
 
 from __future__ import annotations
 

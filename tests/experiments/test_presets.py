@@ -71,7 +71,7 @@ def test_pretrained_presets_with_a_missing_folder_name_the_folder(env, tmp_path)
         environment(env).config("paper", {"model.path": str(tmp_path / "absent")})
 
 
-# Spec section 8, copied by hand: tasks x group, iterations, max turns, prompt / response tokens, KL 0.1,
+# docs/method.md §8, copied by hand: tasks x group, iterations, max turns, prompt / response tokens, KL 0.1,
 # length penalty (0 = off), invalid penalty, gamma_traj; and the paper's evaluation episodes (ALFWorld up to
 # the 10th attempt, WebShop by the 5th, the games 3).
 SPEC_SECTION_8 = {

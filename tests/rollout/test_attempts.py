@@ -1,4 +1,4 @@
-"""Independent attempts: N one-episode attempts of a task, scored like one meta-episode (spec section 8)."""
+"""Independent attempts: N one-episode attempts of a task, scored as one meta-episode (docs/method.md §8)."""
 
 from __future__ import annotations
 

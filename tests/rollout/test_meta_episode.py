@@ -1,4 +1,4 @@
-"""The lockstep meta-episode runner (spec sections 2 and 3) with scripted policies."""
+"""The lockstep meta-episode runner (docs/method.md §2 and §3) with scripted policies."""
 
 import re
 
@@ -379,7 +379,7 @@ def test_the_runner_drives_every_built_in_game_with_consistent_rows_and_outcomes
 
 
 def test_play_and_reflection_anchors_name_the_opponent():
-    """Agent-specific normalisation (spec section 6): equal states met by different opponents are
+    """Agent-specific normalisation (docs/method.md §6): equal states met by different opponents are
     never pooled, in play rows and in reflection rows."""
     tasks = [Task(seed=4, opponent=name, seat=None, group=g, meta_episode=g)
              for g, name in enumerate(("bot", "rival"))]

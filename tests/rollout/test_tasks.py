@@ -1,4 +1,4 @@
-"""Task sampling: groups, opponent assignment, seats and seed streams (spec sections 2 and 6)."""
+"""Task sampling: groups, opponent assignment, seats and seed streams (docs/method.md §2 and §6)."""
 
 from collections import Counter
 

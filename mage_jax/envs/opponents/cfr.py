@@ -1,4 +1,4 @@
-"""The held-out Kuhn Poker opponent: argmax of the average policy of 1000 CFR iterations (spec 7.1).
+"""Held-out Kuhn Poker opponent: argmax of the average policy of 1000 CFR iterations (docs/method.md §7.1).
 
 The policy is computed once with OpenSpiel and cached as JSON inside the package, so the
 environment works without OpenSpiel. Regenerate with ``python -m mage_jax.envs.opponents.cfr``.

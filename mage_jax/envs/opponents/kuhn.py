@@ -1,4 +1,4 @@
-"""Kuhn Poker opponents (spec section 7.1): three scripted training players and the held-out CFR player.
+"""Kuhn Poker opponents (docs/method.md §7.1): three scripted training players and the held-out CFR player.
 
 A player sees its own card and the public betting history, written as OpenSpiel writes it: one
 letter per action, ``p`` for PASS (check or fold) and ``b`` for BET (bet or call). "Facing a bet"
@@ -16,7 +16,7 @@ PASS, BET = 0, 1
 ACTION_LETTERS = ("p", "b")
 
 KUHN_TRAINING_POOL: Mapping[str, float] = {"conservative": 0.3, "aggressive": 0.3, "intermediate": 0.4}
-"""Training opponents and their share of the groups (spec section 7.1)."""
+"""Training opponents and their share of the groups (docs/method.md §7.1)."""
 
 KUHN_HELD_OUT_OPPONENTS: tuple[str, ...] = ("cfr",)
 """Evaluation-only opponents (the agent sits second against them)."""

@@ -1,4 +1,4 @@
-"""Tic-Tac-Toe opponents (spec section 7.2): MCTS, six preferred-order players and a random player.
+"""Tic-Tac-Toe opponents (docs/method.md §7.2): MCTS, six preferred-order players and a random player.
 
 A player sees the game as the list of cells played so far (0-based ``row * 3 + col``, in move
 order, starting with whoever moved first) and returns the cell it plays. Names: ``mcts-<N>`` (UCT
@@ -25,7 +25,7 @@ PREFERRED_ORDERS: Mapping[str, tuple[tuple[int, int], ...]] = {
     "preferred-5": ((0, 2), (1, 1), (2, 0), (0, 0), (2, 2), (0, 1), (1, 0), (1, 2), (2, 1)),
     "preferred-6": ((2, 2), (2, 0), (0, 2), (0, 0), (1, 1), (2, 1), (1, 2), (1, 0), (0, 1)),
 }
-"""The spec's fixed players: play the first empty cell of the list ((row, col), 0-based)."""
+"""The fixed players of docs/method.md §7.2: play the first empty cell of the list ((row, col), 0-based)."""
 
 MCTS_UCT_C = 1.4
 MCTS_ROLLOUTS = 1

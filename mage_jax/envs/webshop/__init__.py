@@ -1,4 +1,4 @@
-"""WebShop (spec 7.6): a text shopping site of our own over the generated or the official catalogue.
+"""WebShop (docs/method.md §7.6): a text shopping site of our own over the generated or official catalogue.
 
 Modules: ``catalogue`` (products, goals, splits, the official-file loader), ``generate`` (the seeded
 generator of the shipped catalogue), ``reward`` (the purchase score), ``search`` (BM25 ranking via

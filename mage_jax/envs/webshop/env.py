@@ -1,4 +1,4 @@
-"""The WebShop environment (spec 7.6): a text shopping site with search, result pages, item pages,
+"""The WebShop environment (docs/method.md §7.6): a text shopping site with search, result pages, item pages,
 options and a purchase scored by WebShop's attribute / option / price / type matching.
 
 Pages and what can be clicked on them (clicks are case-insensitive; ``legal_actions`` lists them):
@@ -15,7 +15,7 @@ Anything else (another verb, a click on something not on the page, a search away
 page, an empty or over-long query) is an invalid turn: nothing changes. Buying ends the episode;
 the score r in [0, 1] is ``reward.purchase_score`` and the environment reward is 10 when r = 1 (a
 success), else 0. ``restart()`` returns to the search page with the *same* goal (the reference
-switches to a random goal after a failed purchase; spec section 11).
+switches to a random goal after a failed purchase; docs/method.md §11).
 
 Observations use WebShop's text layout (page elements joined by " [SEP] "), and every page but the
 search page repeats the instruction, as the reference does. Sub-page text is capped at

@@ -1,4 +1,4 @@
-"""The WebShop purchase score (spec 7.6), implemented from the WebShop paper's description.
+"""The WebShop purchase score (docs/method.md §7.6), implemented from the WebShop paper's description.
 
 A purchase of product ``Y`` with chosen option values ``Y_opt`` at price ``p`` against a goal ``U``
 (wanted attributes ``U_att``, wanted option values ``U_opt``, price limit ``u_price``) scores
