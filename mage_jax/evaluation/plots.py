@@ -9,8 +9,8 @@ sits beside the axes, so no label covers a curve; the title names the evaluation
 the chosen keys against the iteration (integer ticks): training as a line, evaluations as points; a
 ``<metric>@last`` key takes an evaluation record's last episode (its highest ``<metric>@k``).
 
-The x axis of episode curves counts episodes from 1 (the first attempt), so the point at x = 3 is
-``success@2``, the paper's Pass@3.
+Episodes count from 1 (the first attempt) on the x axis of episode curves as in the log keys, so the
+point at x = 3 is ``success@3``, the paper's Pass@3.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT_TRAINING_KEYS = ("success@0", "payoff@0", "reward_mean", "policy_loss", "entropy", "kl")
+DEFAULT_TRAINING_KEYS = ("success@1", "payoff@1", "reward_mean", "policy_loss", "entropy", "kl")
 
 SPLIT_TITLES = {
     "eval": "eval split: held-out instances, training opponents",

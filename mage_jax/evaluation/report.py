@@ -24,7 +24,7 @@ from mage_jax.evaluation.samples import render_markdown
 from mage_jax.logging import METRICS_FILE, MetricsLogger, read_jsonl, to_jsonable
 
 SUMMARY_FILE = "summary.json"
-DIAGNOSTIC_PLOT_KEYS = ("payoff@last", "entropy_play@0", "entropy_play@last", "private_dependence",
+DIAGNOSTIC_PLOT_KEYS = ("payoff@last", "entropy_play@1", "entropy_play@last", "private_dependence",
                         "dependent_share")
 """``plots/diagnostics.png``: what the policy's decisions depend on (``evaluation.decisions``), then the
 final-episode payoff per opponent of the training rollouts."""
@@ -33,7 +33,8 @@ TRAINING_PLOT_KEYS = ("success@last", "payoff@last", "reward_mean", "policy_loss
 
 
 def log_evaluation(logger: MetricsLogger, iteration: int, results: Mapping[str, SplitResult]) -> None:
-    """One metrics-log record per split (flat keys such as ``success@2``, ``by_opponent/cfr/payoff@0``)."""
+    """One metrics-log record per split (flat keys such as ``success@3``, ``opponent/cfr/payoff@1``;
+    episodes counted from 1)."""
     for split, block in results.items():
         logger.log(iteration, flatten_metrics(block.metrics), split=split)
         if block.samples:
@@ -164,7 +165,7 @@ def results_table(summary: Mapping[str, Any], titles: Mapping[str, str] | None =
                     return None if v is None else (v[k] if isinstance(v, (list, tuple)) else v)
 
                 lines.append(
-                    f"{name:<14}{k:>2}  {_fmt(curves['success'][k]):>8}{_fmt(curves['draw'][k]):>8}"
+                    f"{name:<14}{k + 1:>2}  {_fmt(curves['success'][k]):>8}{_fmt(curves['draw'][k]):>8}"
                     f"{_fmt(curves['payoff'][k], True):>9}{_fmt_ratio(sub.get('valid_action_ratio')):>7}"
                     f"   |  {'':>11}"
                     f"{_fmt(at('random_success')):>8}{_fmt(at('winnable')):>8}"

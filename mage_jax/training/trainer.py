@@ -63,7 +63,7 @@ from mage_jax.algorithms import compute_advantages
 from mage_jax.envs import env_class
 from mage_jax.evaluation.decisions import decision_stats
 from mage_jax.evaluation.evaluator import Evaluator, SplitResult
-from mage_jax.evaluation.metrics import compute_metrics
+from mage_jax.evaluation.metrics import compute_metrics, episode_key
 from mage_jax.evaluation.report import log_evaluation
 from mage_jax.evaluation.samples import render_markdown, sample_rows
 from mage_jax.logging import MetricsLogger
@@ -265,8 +265,8 @@ class Trainer:
         train_metrics = compute_metrics(result, num_episodes=cfg.rollout.num_episodes)
         curves = train_metrics["curves"]
         for k in range(cfg.rollout.num_episodes):
-            out[f"success@{k}"] = curves["success"][k]
-            out[f"payoff@{k}"] = curves["payoff"][k]
+            out[episode_key("success", k)] = curves["success"][k]
+            out[episode_key("payoff", k)] = curves["payoff"][k]
         for opponent, split in train_metrics["by_opponent"].items():
             out[f"payoff@last/{opponent}"] = split["curves"]["payoff"][-1]
         out.update(decision_stats(result.rows, cfg.rollout.num_episodes,
