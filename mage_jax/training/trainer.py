@@ -478,12 +478,14 @@ class Trainer:
                 validate = every > 0 and (iteration % every == 0 or iteration == total)
                 improved = validate and self._validate(iteration)
                 bar.update(1)
-                postfix = {"succ": f"{metrics['success@last']:.2f}", "pay": f"{metrics['payoff@last']:+.2f}",
+                # rollout_*: this iteration's training rollout (final episode), not an evaluation
+                postfix = {"rollout_succ": f"{metrics['success@last']:.2f}",
+                           "rollout_pay": f"{metrics['payoff@last']:+.2f}",
                            "ent": f"{metrics['entropy']:.3f}", "kl": f"{metrics['approx_kl']:+.3f}"}
                 if self.skipped_updates:
                     postfix["skipped"] = str(self.skipped_updates)
                 if self.best is not None:
-                    postfix["best"] = f"{self.best[1]:+.3f}@{self.best[0]}"
+                    postfix["best_val_pay"] = f"{self.best[1]:+.3f}@{self.best[0]}"
                 if last_eval is not None:
                     postfix["eval_pay"] = f"{last_eval['eval'].metrics['curves']['payoff'][-1]:+.3f}"
                 bar.set_postfix(postfix)
@@ -493,13 +495,21 @@ class Trainer:
                         break
                 if self.checkpointer.should_save(iteration) or improved:
                     self._checkpoint(iteration)
-            bar.set_description("final evaluation" if status == "finished" else "saving")
             final = None
+            if status == "finished":
+                # The table printed next measures this state, not the last rollout: the bar says so
+                # instead of keeping the rollout's numbers beside it.
+                measured = (f"iteration {iteration} (last state)" if self.best is None
+                            else f"iteration {self.best[0]} (best validated state)")
+                bar.set_postfix_str(f"measuring {measured}", refresh=False)
+            bar.set_description("final evaluation" if status == "finished" else "saving")
             if status == "finished":
                 try:
                     final = self._evaluate(iteration, final=True)
                 except Interrupted:  # the resumed run evaluates again (its final records are dropped)
                     status = "interrupted"
+                else:
+                    bar.set_postfix_str(f"measured {measured}: results below")
             self._checkpoint(iteration)
             if self.skipped_updates:
                 print(f"warning: {self.skipped_updates} updates were skipped (non-finite loss, gradients or "
