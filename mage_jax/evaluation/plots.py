@@ -146,11 +146,9 @@ def plot_episode_curves(
     ax.set_xlabel("episode (1 = first attempt)")
     ax.set_ylabel(f"{metric}@k")
     who = by.removeprefix("by_")
-    default = f"{metric}@k by {who}" if only is None else f"{metric}@k against {who} {only}"
-    seats = list(metrics.get("by_seat") or {})
-    if only is not None and len(seats) == 1:
-        default += f", agent in seat {seats[0]}" + (f" ({_ORDINALS[int(seats[0])]} to act)"
-                                                     if str(seats[0]).isdigit() and int(seats[0]) < 3 else "")
+    default = f"{metric}@k by {who}" if only is None else f"{metric}@k, {who} {only}"
+    if only is not None and by == "by_opponent":
+        default = f"{metric}@k against opponent {only}" + _seat_note(metrics)
     if split is not None:
         default += f"\n{SPLIT_TITLES.get(split, f'{split} split')}"
     ax.set_title(title or default, fontsize=10)
@@ -160,6 +158,16 @@ def plot_episode_curves(
 
 
 _ORDINALS = ("first", "second", "third")
+
+
+def _seat_note(metrics: Mapping[str, Any]) -> str:
+    """``", agent in seat 1 (second to act)"`` when every meta-episode had the agent in one seat."""
+    seats = [str(s) for s in metrics.get("by_seat") or {}]
+    if len(seats) != 1:
+        return ""
+    [seat] = seats
+    order = f" ({_ORDINALS[int(seat)]} to act)" if seat.isdigit() and int(seat) < len(_ORDINALS) else ""
+    return f", agent in seat {seat}{order}"
 
 
 def _merge_equal(lines: Mapping[str, float | Sequence[float]]) -> dict[str, float | Sequence[float]]:
