@@ -1,13 +1,18 @@
 """Export a trained checkpoint as a Hugging Face model folder.
 
-    python -m experiments.export --run-dir runs/kuhn_poker/RUN [--step K] --out-dir DIR
+    python -m experiments.export --run-dir runs/kuhn_poker/RUN --best --out-dir DIR
+
+``--best`` exports the best validated state (``checkpoints_best/``, kept when ``train.validate_every``
+> 0): the state the run's final evaluation and ``summary.json`` measure. Without it the latest
+checkpoint (or ``--step K``) is exported, and a run that has a best state says so.
 
 The folder holds ``config.json`` (with the eos / pad / bos token ids), ``generation_config.json``,
 the weights as safetensors and the run's tokenizer files, so that
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``
 load it and ``generate`` stops at the run's end-of-turn tokens. A run trained from scratch has the
 built-in word-level tokenizer; it is written as a ``PreTrainedTokenizerFast`` that encodes prompts
-exactly as training did. A missing run, step or a non-empty ``--out`` is one ``error:`` line (exit 2).
+exactly as training did. A missing run, step or best state, or a non-empty ``--out``, is one
+``error:`` line (exit 2).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from collections.abc import Sequence
 from experiments.common import EXIT_CONFIG_ERROR, ConfigErrorParser
 from mage_jax import config as C
 from mage_jax.models.hf_loading import export_hf
-from mage_jax.training.assemble import build_parts, checkpoint_dir
+from mage_jax.training.assemble import best_checkpoint_dir, build_parts, checkpoint_dir
+from mage_jax.training.checkpoint import Checkpointer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,33 +35,56 @@ class ExportResult:
     out_dir: str
     iteration: int
     num_params: int
+    best: bool
+    """The exported state is the best validated one."""
+    best_iteration: int | None
+    """The run's best validated iteration (None: the run kept none)."""
 
 
 def _parser() -> argparse.ArgumentParser:
     p = ConfigErrorParser(prog="python -m experiments.export", description=__doc__.split("\n\n")[0],
                           allow_abbrev=False)
     p.add_argument("--run-dir", required=True, help="a training run directory (config.json, checkpoints/)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest intact one)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--best", action="store_true",
+                       help="export the best validated state (checkpoints_best/): what summary.json measures")
+    which.add_argument("--step", type=int, default=None,
+                       help="checkpoint step (default: the latest intact one)")
     p.add_argument("--out-dir", "--out", dest="out_dir", required=True,
                    help="the new Hugging Face model folder (must not hold files)")
     return p
 
 
-def export_run(run_dir: str, out_dir: str, *, step: int | None = None) -> ExportResult:
-    """Write the parameters of ``run_dir``'s checkpoint ``step`` (default: latest) and its tokenizer."""
+def _best_iteration(directory: str) -> int | None:
+    """The step of the best validated state kept in ``directory`` (None: none is kept)."""
+    if not os.path.isdir(directory):
+        return None
+    with Checkpointer(directory) as ckpt:
+        return ckpt.latest_step()
+
+
+def export_run(run_dir: str, out_dir: str, *, step: int | None = None, best: bool = False) -> ExportResult:
+    """Write the parameters of ``run_dir``'s checkpoint ``step`` (default: latest; ``best``: its best
+    validated state) and its tokenizer."""
     if not os.path.isfile(os.path.join(run_dir, C.CONFIG_FILE)):
         raise C.ConfigError(f"--run-dir {run_dir!r} holds no {C.CONFIG_FILE}; pass a training run directory")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise C.ConfigError(f"--out-dir {out_dir!r} already exists and is not an empty folder")
     cfg = C.load(run_dir)
+    best_dir = best_checkpoint_dir(cfg, run_dir)
+    best_iteration = _best_iteration(best_dir)
+    if best and best_iteration is None:
+        raise C.ConfigError(f"--best: {run_dir!r} has no best validated state ({best_dir!r} holds no "
+                            "checkpoint; a run keeps one when train.validate_every > 0)")
     parts = build_parts(cfg, run_dir)  # the run's own tokenizer and model shapes
-    params, meta = parts.restore_params(checkpoint_dir(cfg, run_dir), step)
+    params, meta = parts.restore_params(best_dir if best else checkpoint_dir(cfg, run_dir), step)
     tok = parts.tokenizer
     export_hf(params, parts.model_config, out_dir, eos_token_ids=tok.eos_ids, pad_token_id=tok.pad_id,
               bos_token_id=tok.bos_id)
     tok.save_hf(out_dir)
     return ExportResult(out_dir=out_dir, iteration=int(meta.get("iteration", 0)),
-                        num_params=int(parts.model_config.num_params()))
+                        num_params=int(parts.model_config.num_params()), best=best,
+                        best_iteration=best_iteration)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,12 +94,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = _parser().parse_args(argv)
         except SystemExit:  # --help
             return 0
-        result = export_run(args.run_dir, args.out_dir, step=args.step)
+        result = export_run(args.run_dir, args.out_dir, step=args.step, best=args.best)
     except C.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    print(f"exported iteration {result.iteration} ({result.num_params:,} parameters) of {args.run_dir} "
-          f"to {result.out_dir}")
+    state = "the best validated state, " if result.best else ""
+    print(f"exported {state}iteration {result.iteration} ({result.num_params:,} parameters) of "
+          f"{args.run_dir} to {result.out_dir}")
+    if not result.best and result.best_iteration is not None and result.best_iteration != result.iteration:
+        print(f"note: the run's final evaluation (summary.json) measured its best validated state, iteration "
+              f"{result.best_iteration}; export that one with --best")
     return 0
 
 

@@ -13,7 +13,7 @@ per group (stationary grouping), mixed seats, N = 3 episodes per meta-episode.
 Design of the ``tiny`` preset (why it differs from the paper's Qwen3-4B recipe):
 
 * Memory is ``history_only`` with the reflect phase OFF. A model trained from scratch cannot write
-  useful reflections, so the memory of episode n is the serialized trajectories of episodes 0..n-1,
+  useful reflections, so the memory of episode n is the serialized trajectories of episodes 1..n-1,
   each with its moves, observations, final result ("You won 2 chips" / "You lost 1 chip") and
   outcome. Because every episode of a meta-episode replays the same deal against the same
   opponent, the previous outcome reveals what the opponent holds and how it plays: that is the
@@ -31,7 +31,7 @@ Design of the ``tiny`` preset (why it differs from the paper's Qwen3-4B recipe):
   set by its tokens, not by its number of steps; with 64-row mini-batches (~6 steps per iteration)
   the policy collapses onto card-independent actions before it learns to read the prompt.
   Rows are grouped into mini-batches by length bucket (128 / 192 / 320 tokens) so that short
-  episode-0 prompts are not padded to the longest memory prompt.
+  first-episode prompts are not padded to the longest memory prompt.
 * Size: the decoder has 2 layers, hidden size 64, 4 heads (2 KV heads) of size 16, SwiGLU 192
   (~0.1M parameters); 30 iterations of B x G = 32 x 4 = 128 meta-episodes (the paper's 16 x 8 has
   the same size; 32 task instances per iteration cover nearly all 36 deal x seat x opponent

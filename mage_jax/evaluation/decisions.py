@@ -2,9 +2,10 @@
 
 A run that ends in a fixed, non-adaptive strategy shows it here before it shows in the payoff:
 
-* ``entropy[k]`` — the mean of ``-log pi(response)`` over the play rows of episode ``k`` (0-based), in
-  nats: a Monte-Carlo estimate of the policy's entropy over whole responses at the sampling
-  temperature. Near 0, the policy no longer explores in that episode.
+* ``entropy[k]`` — the mean of ``-log pi(response)`` over the play rows of list index ``k`` (episode
+  k + 1; logged as ``entropy_play@<episode>``), in nats: a Monte-Carlo estimate of the policy's
+  entropy over whole responses at the sampling temperature. Near 0, the policy no longer explores in
+  that episode.
 * ``private_dependence`` — in the first episode (no memory yet), for each public situation (Kuhn: the
   betting so far), the largest total-variation distance between the empirical response distributions
   given two values of the private information (Kuhn: the card), averaged over situations weighted by
@@ -26,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from mage_jax.evaluation.metrics import episode_key
+
 DEPENDENT = 0.5
 """Total-variation distance from which a situation counts as decided by the private information."""
 
@@ -42,8 +45,9 @@ class DecisionStats:
     """Share of first-episode decisions in situations with dependence >= ``DEPENDENT``."""
 
     def metrics(self) -> dict[str, float]:
-        """Flat metrics for the training log: ``entropy_play@k``, ``entropy_reflect``, ``private_*``."""
-        out = {f"entropy_play@{k}": v for k, v in enumerate(self.entropy)}
+        """Flat metrics for the training log: ``entropy_play@k`` (episode k, from 1), ``entropy_reflect``,
+        ``private_*``."""
+        out = {episode_key("entropy_play", k): v for k, v in enumerate(self.entropy)}
         if self.reflect_entropy is not None:
             out["entropy_reflect"] = self.reflect_entropy
         if self.private_dependence is not None:

@@ -1,14 +1,16 @@
 """Evaluation metrics of meta-episodes (docs/method.md §9), as plain JSON-serialisable dicts.
 
-``k`` is the episode index (0-based, as the rest of the code): ``success@k`` is the share of
-meta-episodes won in at least one of episodes 0..k, so ``success@2`` is the paper's Pass@3. A
-meta-episode that stopped early (it won) keeps its last episode's values for every later k.
+Episodes are numbered from 1 wherever a person reads them (log keys, tables, plots, samples):
+``success@k`` is the share of meta-episodes won in at least one of episodes 1..k, so ``success@3`` is
+the paper's Pass@3. In code, the curves are lists indexed from 0 (``curves["success"][2]`` is
+``success@3``) and ``episode_key`` names index ``k`` in logs. A meta-episode that stopped early (it
+won) keeps its last episode's values for every later k.
 
-Per meta-episode and k, with ``j = min(k, episodes_run - 1)`` the last episode played up to k:
+Per meta-episode and k, with ``j = min(k, episodes_run)`` the last episode played up to k:
 
-- ``success``: won in one of episodes 0..j; ``draw``: drew in one of 0..j;
-  ``success_or_draw``: won or drew in one of 0..j;
-- ``score``: the best ``StepInfo.score`` among episodes 0..j (games: the best payoff so far);
+- ``success``: won in one of episodes 1..j; ``draw``: drew in one of 1..j;
+  ``success_or_draw``: won or drew in one of 1..j;
+- ``score``: the best ``StepInfo.score`` among episodes 1..j (games: the best payoff so far);
 - ``payoff``: the payoff of episode j (reward in the game's unit, Kuhn chips): what MAGE optimises;
 - ``reward``: the environment reward of episode j.
 
@@ -33,6 +35,12 @@ CURVES = ("success", "draw", "success_or_draw", "score", "payoff", "reward")
 TOP_REFLECTIONS = 10
 """Most frequent reflection texts kept per opponent and seat."""
 MAX_REFLECTION_CHARS = 200
+
+
+def episode_key(name: str, k: int) -> str:
+    """The log key of curve ``name`` at list index ``k``: the episode counted from 1 (``success@1`` is
+    the first attempt)."""
+    return f"{name}@{k + 1}"
 
 
 def _field(outcome: Any, name: str, default: Any = None) -> Any:
@@ -167,13 +175,14 @@ def reflection_counts(outcomes: Sequence[Any]) -> dict[str, dict[str, Any]]:
 
 
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """Flat ``{"success@0": ..., "opponent/aggressive/payoff@2": ..., "seat/1/success@1": ...}`` for logs."""
+    """Flat ``{"success@1": ..., "opponent/aggressive/payoff@3": ..., "seat/1/success@2": ...}`` for logs
+    (episodes counted from 1)."""
     flat: dict[str, float] = {}
 
     def add_curves(block: Mapping[str, Any], head: str) -> None:
         for name, values in block["curves"].items():
             for k, v in enumerate(values):
-                flat[f"{prefix}{head}{name}@{k}"] = float(v)
+                flat[prefix + head + episode_key(name, k)] = float(v)
         flat[f"{prefix}{head}num_meta_episodes"] = float(block["num_meta_episodes"])
 
     add_curves(metrics, "")

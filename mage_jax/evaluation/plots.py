@@ -3,18 +3,24 @@
 ``plot_episode_curves``: one metric (success@k, payoff@k, ...) against the episode, one line per
 opponent plus the overall mean, with optional reference lines: a number is drawn as a horizontal
 line (e.g. the winnable ceiling), a sequence as a dashed curve over the episodes (e.g. the random
-policy's success@k from the Kuhn oracle). Reference lines are gray and named in the legend, which
-sits beside the axes, so no label covers a curve; the title names the evaluation split.
+policy's success@k from the Kuhn oracle). Reference lines are gray (per-opponent ones in the
+opponent's colour) and named in the legend, which sits beside the axes, so no label covers a curve;
+reference lines of equal values are one line with both names. The title names the evaluation split;
+a split of one opponent (and one seat) names them and draws one line, not an overall mean hidden
+under an identical per-opponent line.
 ``plot_training_curves`` reads a metrics JSONL file (one record per iteration and split) and draws
 the chosen keys against the iteration (integer ticks): training as a line, evaluations as points; a
-``<metric>@last`` key takes an evaluation record's last episode (its highest ``<metric>@k``).
+``<metric>@last`` key takes an evaluation record's last episode (its highest ``<metric>@k``). With a
+``Selection`` the final evaluation's points sit at the iteration whose state they measured (the best
+validated one), marked by a vertical line, not at the last iteration where they are logged.
 
-The x axis of episode curves counts episodes from 1 (the first attempt), so the point at x = 3 is
-``success@2``, the paper's Pass@3.
+Episodes count from 1 (the first attempt) on the x axis of episode curves as in the log keys, so the
+point at x = 3 is ``success@3``, the paper's Pass@3.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT_TRAINING_KEYS = ("success@0", "payoff@0", "reward_mean", "policy_loss", "entropy", "kl")
+DEFAULT_TRAINING_KEYS = ("success@1", "payoff@1", "reward_mean", "policy_loss", "entropy", "kl")
 
 SPLIT_TITLES = {
     "eval": "eval split: held-out instances, training opponents",
@@ -32,6 +38,49 @@ SPLIT_TITLES = {
 """How plot titles name the splits the trainer evaluates (others are named as they are)."""
 
 _REFERENCE_STYLES = (":", "--", "-.", (0, (1, 3)))
+_EVALUATION_MARKERS = ("o", "s", "^", "D", "v")
+"""Markers of the evaluation splits in training plots: points of two splits at one place stay visible."""
+
+Y_LABELS = {
+    "success": "share of meta-episodes won",
+    "payoff": "payoff (game units; Kuhn: chips)",
+    "reward_mean": "reward per episode",
+    "reward_min": "reward per episode",
+    "reward_max": "reward per episode",
+    "policy_loss": "loss",
+    "loss": "loss",
+    "kl_loss": "loss",
+    "entropy": "nats per token",
+    "entropy_play": "nats per response (-log pi)",
+    "approx_kl": "nats per token",
+    "grad_norm": "global L2 norm",
+    "clip_fraction": "share of tokens",
+    "iteration_seconds": "seconds",
+    "rollout_seconds": "seconds",
+    "update_seconds": "seconds",
+    "private_dependence": "total-variation distance",
+    "dependent_share": "share of first-episode decisions",
+    "valid_action_ratio": "share of actions",
+}
+"""The y-axis label of a training-plot key, by its name before ``@`` (the key itself is the title)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The final evaluation measured the state of iteration ``state_of`` (the best validated state);
+    its records are logged at the run's last iteration ``logged_at``."""
+
+    logged_at: int
+    state_of: int
+
+    @property
+    def label(self) -> str:
+        return f"selected state, iteration {self.state_of} (the final evaluation's)"
+
+
+def y_label(key: str) -> str:
+    """What a training-plot key's values are (``Y_LABELS``); unknown keys are labelled by their name."""
+    return Y_LABELS.get(key, Y_LABELS.get(key.split("@")[0], key))
 
 
 def _pyplot():
@@ -60,10 +109,12 @@ def plot_episode_curves(
     title: str | None = None,
     by: str = "by_opponent",
     split: str | None = None,
+    group_reference_lines: Mapping[str, Mapping[str, float | Sequence[float]]] | None = None,
 ) -> Path:
     """Draw ``metric``@k against the episode for the overall mean and each entry of ``metrics[by]``.
 
-    ``split`` (e.g. ``"eval"``) is named in the default title.
+    ``split`` (e.g. ``"eval"``) is named in the default title. ``group_reference_lines`` maps an entry
+    of ``metrics[by]`` to its own reference lines (e.g. each opponent's ceiling), drawn in its colour.
     """
     if "curves" not in metrics or metric not in metrics["curves"]:
         known = ", ".join(sorted(metrics.get("curves", {})))
@@ -72,29 +123,75 @@ def plot_episode_curves(
     fig, ax = plt.subplots(figsize=(7, 4))
     overall = np.asarray(metrics["curves"][metric], dtype=float)
     x = np.arange(1, len(overall) + 1)
-    ax.plot(
-        x, overall, marker="o", linewidth=2.5, color="black", label=f"all ({metrics['num_meta_episodes']})"
-    )
-    for name, block in (metrics.get(by) or {}).items():
+    groups = dict(metrics.get(by) or {})
+    only = next(iter(groups)) if len(groups) == 1 else None
+    if only is None:
+        ax.plot(x, overall, marker="o", linewidth=2.5, color="black",
+                label=f"all ({metrics['num_meta_episodes']})")
+    colors = {}
+    for name, block in groups.items():
         values = np.asarray(block["curves"][metric], dtype=float)
-        ax.plot(x[: len(values)], values, marker="o", label=f"{name} ({block['num_meta_episodes']})")
-    for i, (label, ref) in enumerate((reference_lines or {}).items()):
+        style = dict(linewidth=2.5, color="black") if only is not None else {}
+        [line] = ax.plot(x[: len(values)], values, marker="o", label=f"{name} ({block['num_meta_episodes']})",
+                         **style)
+        colors[name] = line.get_color()
+    for i, (label, ref) in enumerate(_merge_equal(reference_lines or {}).items()):
         style = dict(color="0.45", linewidth=1.2, linestyle=_REFERENCE_STYLES[i % len(_REFERENCE_STYLES)])
-        if np.ndim(ref) == 0:
-            ax.axhline(float(ref), label=f"{label} = {float(ref):.3g}", **style)
-        else:
-            values = np.asarray(ref, dtype=float)[: len(x)]
-            ax.plot(x[: len(values)], values, label=label, **style)
+        _reference_line(ax, x, label, ref, style)
+    for name, lines in (group_reference_lines or {}).items():
+        for label, ref in _merge_equal(lines).items():
+            style = dict(color=colors.get(name, "0.45"), linewidth=1.0, linestyle=(0, (2, 2)), alpha=0.8)
+            _reference_line(ax, x, f"{name} {label}", ref, style)
     ax.set_xticks(x)
     ax.set_xlabel("episode (1 = first attempt)")
     ax.set_ylabel(f"{metric}@k")
-    default = f"{metric}@k by {by.removeprefix('by_')}"
+    who = by.removeprefix("by_")
+    default = f"{metric}@k by {who}" if only is None else f"{metric}@k, {who} {only}"
+    if only is not None and by == "by_opponent":
+        default = f"{metric}@k against opponent {only}" + _seat_note(metrics)
     if split is not None:
         default += f"\n{SPLIT_TITLES.get(split, f'{split} split')}"
     ax.set_title(title or default, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     return _save(fig, path)
+
+
+_ORDINALS = ("first", "second", "third")
+
+
+def _seat_note(metrics: Mapping[str, Any]) -> str:
+    """``", agent in seat 1 (second to act)"`` when every meta-episode had the agent in one seat."""
+    seats = [str(s) for s in metrics.get("by_seat") or {}]
+    if len(seats) != 1:
+        return ""
+    [seat] = seats
+    order = f" ({_ORDINALS[int(seat)]} to act)" if seat.isdigit() and int(seat) < len(_ORDINALS) else ""
+    return f", agent in seat {seat}{order}"
+
+
+def _merge_equal(lines: Mapping[str, float | Sequence[float]]) -> dict[str, float | Sequence[float]]:
+    """Reference lines with equal values become one line named ``a = b``: none hides under another."""
+    merged: dict[str, float | Sequence[float]] = {}
+    for label, ref in lines.items():
+        same = next((k for k, v in merged.items() if _equal(v, ref)), None)
+        if same is None:
+            merged[label] = ref
+        else:
+            merged[f"{same} = {label}"] = merged.pop(same)
+    return merged
+
+
+def _equal(a: float | Sequence[float], b: float | Sequence[float]) -> bool:
+    return np.shape(a) == np.shape(b) and bool(np.allclose(np.asarray(a, float), np.asarray(b, float)))
+
+
+def _reference_line(ax: Any, x: np.ndarray, label: str, ref: float | Sequence[float], style: dict) -> None:
+    if np.ndim(ref) == 0:
+        ax.axhline(float(ref), label=f"{label} = {float(ref):.3g}", **style)
+    else:
+        values = np.asarray(ref, dtype=float)[: len(x)]
+        ax.plot(x[: len(values)], values, label=label, **style)
 
 
 def plot_success_and_payoff(
@@ -104,9 +201,11 @@ def plot_success_and_payoff(
     reference: Mapping[str, Mapping[str, float | Sequence[float]]] | None = None,
     prefix: str = "",
     split: str | None = None,
+    group_reference: Mapping[str, Mapping[str, Mapping[str, float | Sequence[float]]]] | None = None,
 ) -> list[Path]:
     """``<prefix>success.png`` and ``<prefix>payoff.png`` per opponent; ``reference`` maps the metric
-    name to its reference lines (e.g. ``{"success": {"winnable": 0.58}, "payoff": {"random": [...]}}``).
+    name to its reference lines (e.g. ``{"success": {"winnable": 0.58}, "payoff": {"random": [...]}}``),
+    ``group_reference`` the metric name to per-opponent lines (``{"success": {"cfr": {"ceiling": 0.5}}}``).
 
     The titles name ``split``; by default the split is the prefix without its trailing ``_``
     (``prefix="eval_"`` -> ``"eval"``), which is how the trainer names the files.
@@ -121,6 +220,7 @@ def plot_success_and_payoff(
             metric=metric,
             reference_lines=reference.get(metric),
             split=split,
+            group_reference_lines=(group_reference or {}).get(metric),
         )
         for metric in ("success", "payoff")
     ]
@@ -132,11 +232,14 @@ def plot_training_curves(
     *,
     keys: Sequence[str] | None = None,
     x_key: str = "iteration",
+    selection: Selection | None = None,
 ) -> Path:
     """One panel per key against ``x_key``, one line per ``split`` of the records (train / eval / ...).
 
     ``keys`` default to those of ``DEFAULT_TRAINING_KEYS`` present in the file; keys that never occur
-    are skipped. A file with no usable record is a clear error.
+    are skipped. A file with no usable record is a clear error. With ``selection``, the evaluation
+    records (every split but ``train`` and ``validation``) logged at ``selection.logged_at`` are drawn
+    at ``selection.state_of``, which a vertical line marks on every panel.
     """
     from mage_jax.logging import read_jsonl
 
@@ -160,11 +263,20 @@ def plot_training_curves(
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
     splits = sorted({str(r.get("split", "train")) for r in records}, key=lambda s: (s != "train", s))
     colors = {split: f"C{i}" for i, split in enumerate(splits)}
+    markers = {split: _EVALUATION_MARKERS[i % len(_EVALUATION_MARKERS)]
+               for i, split in enumerate(s for s in splits if s != "train")}
     handles: dict[str, Any] = {}
+
+    def x_of(record: Mapping[str, Any], split: str) -> float:
+        x = float(record[x_key])
+        if selection is not None and split not in ("train", "validation") and x == selection.logged_at:
+            return float(selection.state_of)
+        return x
+
     for ax, key in zip(axes.flat, wanted):
         for split in splits:
             points = sorted(
-                (float(r[x_key]), value)
+                (x_of(r, split), value)
                 for r in records
                 if str(r.get("split", "train")) == split and (value := _value(r, key)) is not None
             )
@@ -174,11 +286,18 @@ def plot_training_curves(
             if split == "train":
                 style = dict(marker="." if len(points) < 50 else None, linewidth=1.5)
             else:  # evaluations are a few points: markers joined by a thin dashed line
-                style = dict(marker="o", markersize=5, linestyle="--", linewidth=0.8)
+                style = dict(marker=markers[split], markersize=5, linestyle="--", linewidth=0.8)
+                if markers[split] != _EVALUATION_MARKERS[0]:  # hollow and larger: a point it covers shows
+                    style.update(markersize=8, markerfacecolor="none")
             [line] = ax.plot(xs, ys, label=split, color=colors[split], **style)
             handles.setdefault(split, line)
+        if selection is not None:
+            mark = ax.axvline(selection.state_of, color="0.3", linestyle=":", linewidth=1.2,
+                              label=selection.label)
+            handles.setdefault(selection.label, mark)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel(x_key)
+        ax.set_ylabel(y_label(key), fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(wanted) :]:

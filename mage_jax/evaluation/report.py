@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mage_jax.evaluation import plots
@@ -24,7 +24,7 @@ from mage_jax.evaluation.samples import render_markdown
 from mage_jax.logging import METRICS_FILE, MetricsLogger, read_jsonl, to_jsonable
 
 SUMMARY_FILE = "summary.json"
-DIAGNOSTIC_PLOT_KEYS = ("payoff@last", "entropy_play@0", "entropy_play@last", "private_dependence",
+DIAGNOSTIC_PLOT_KEYS = ("payoff@last", "entropy_play@1", "entropy_play@last", "private_dependence",
                         "dependent_share")
 """``plots/diagnostics.png``: what the policy's decisions depend on (``evaluation.decisions``), then the
 final-episode payoff per opponent of the training rollouts."""
@@ -33,7 +33,8 @@ TRAINING_PLOT_KEYS = ("success@last", "payoff@last", "reward_mean", "policy_loss
 
 
 def log_evaluation(logger: MetricsLogger, iteration: int, results: Mapping[str, SplitResult]) -> None:
-    """One metrics-log record per split (flat keys such as ``success@2``, ``by_opponent/cfr/payoff@0``)."""
+    """One metrics-log record per split (flat keys such as ``success@3``, ``opponent/cfr/payoff@1``;
+    episodes counted from 1)."""
     for split, block in results.items():
         logger.log(iteration, flatten_metrics(block.metrics), split=split)
         if block.samples:
@@ -86,33 +87,55 @@ def load_summary(run_dir: str) -> dict[str, Any] | None:
 # plots
 
 
-def write_plots(run_dir: str, results: Mapping[str, SplitResult]) -> list[str]:
+REFERENCE_LINES = {
+    "success": (("winnable", "ceiling (winnable)"), ("random_success", "random"),
+                ("best_fixed_by_success_success", "best fixed by wins")),
+    "payoff": (("random_payoff", "random"), ("best_fixed_payoff", "best fixed by payoff"),
+               ("adaptive_payoff_bound", "adaptive bound")),
+}
+"""The reference lines of the success and payoff plots: (reference key, legend name). The best fixed
+strategies are the table's: by wins on success (its ``fix:win`` column), by payoff on payoff (``fix:pay``)."""
+GROUP_REFERENCE_LINES = {"success": (("winnable", "ceiling"),)}
+"""Per-opponent reference lines, drawn in the opponent's colour where a split has several opponents."""
+
+
+def reference_lines(ref: Mapping[str, Any], names: Mapping[str, Sequence[tuple[str, str]]]
+                    ) -> dict[str, dict[str, Any]]:
+    """``{metric: {legend name: value}}`` of the reference keys in ``ref`` (``REFERENCE_LINES``)."""
+    return {metric: {label: ref[key] for key, label in pairs if key in ref}
+            for metric, pairs in names.items()}
+
+
+def write_plots(run_dir: str, results: Mapping[str, SplitResult], *,
+                selection: plots.Selection | None = None) -> list[str]:
     """PNGs in ``<run_dir>/plots``: success@k and payoff@k per opponent (with the reference lines) for
-    every evaluation split, and the training curves."""
+    every evaluation split, and the training curves (``selection``: the final evaluation measured the
+    state of an earlier iteration, where its points are drawn)."""
     out = os.path.join(run_dir, "plots")
     os.makedirs(out, exist_ok=True)
     written = []
     for split, block in results.items():
         ref = block.reference or {}
-        lines: dict[str, dict[str, Any]] = {"success": {}, "payoff": {}}
-        if "winnable" in ref:
-            lines["success"]["winnable (ceiling)"] = ref["winnable"]
-        for metric in ("success", "payoff"):
-            for name, label in (("random", "random"), ("best_fixed", "best fixed")):
-                if f"{name}_{metric}" in ref:
-                    lines[metric][label] = ref[f"{name}_{metric}"]
-        if "adaptive_payoff_bound" in ref:
-            lines["payoff"]["adaptive bound"] = ref["adaptive_payoff_bound"]
-        written += [str(p) for p in plots.plot_success_and_payoff(block.metrics, out, reference=lines,
-                                                                  prefix=f"{split}_")]
+        per_opponent = ref.get("by_opponent") or {}
+        group: dict[str, dict[str, dict[str, Any]]] = {}
+        if len(block.metrics.get("by_opponent") or {}) > 1:
+            for name, sub in per_opponent.items():
+                for metric, lines in reference_lines(sub, GROUP_REFERENCE_LINES).items():
+                    if lines:
+                        group.setdefault(metric, {})[name] = lines
+        written += [str(p) for p in plots.plot_success_and_payoff(
+            block.metrics, out, reference=reference_lines(ref, REFERENCE_LINES), prefix=f"{split}_",
+            group_reference=group)]
     metrics_file = os.path.join(run_dir, METRICS_FILE)
     with contextlib.suppress(ValueError):  # no training record (zero iterations)
         written.append(str(plots.plot_training_curves(metrics_file, os.path.join(out, "training.png"),
-                                                      keys=TRAINING_PLOT_KEYS)))
+                                                      keys=TRAINING_PLOT_KEYS, selection=selection)))
     with contextlib.suppress(ValueError, FileNotFoundError):  # no diagnostics logged
-        per_opponent = sorted({k for r in read_jsonl(run_dir) for k in r if k.startswith("payoff@last/")})
+        per_opponent_keys = sorted({k for r in read_jsonl(run_dir) for k in r
+                                    if k.startswith("payoff@last/")})
         written.append(str(plots.plot_training_curves(metrics_file, os.path.join(out, "diagnostics.png"),
-                                                      keys=DIAGNOSTIC_PLOT_KEYS + tuple(per_opponent))))
+                                                      keys=DIAGNOSTIC_PLOT_KEYS + tuple(per_opponent_keys),
+                                                      selection=selection)))
     return written
 
 
@@ -131,10 +154,10 @@ def _fmt_ratio(x: Any) -> str:
 
 
 ORACLE_LEGEND = (
-    "ceiling = winnable share; bestfix success = best pure non-adaptive strategy by wins, bestfix payoff = "
-    "best by payoff; bound = best adaptive payoff (oracle). Payoff in chips.\nAll references are exact "
-    "oracle values on the same meta-episodes; on a per-opponent row the best fixed strategy is the best one "
-    "against that opponent alone (it knows the opponent)."
+    "ceiling = winnable share; fix:win = success of the best pure non-adaptive strategy by wins, fix:pay = "
+    "payoff of the best one by payoff; bound = best adaptive payoff (oracle). Payoff in chips.\n"
+    "All references are exact oracle values on the same meta-episodes; on a per-opponent row the best "
+    "fixed strategy is the best one against that opponent alone (it knows the opponent)."
 )
 
 
@@ -154,8 +177,8 @@ def results_table(summary: Mapping[str, Any], titles: Mapping[str, str] | None =
             for name, sub in metrics["by_opponent"].items():
                 groups.append((name, sub, (ref.get("by_opponent") or {}).get(name) or {}))
         lines.append(f"{'opponent':<14}{'k':>2}  {'success':>8}{'draw':>8}{'payoff':>9}{'valid':>7}   |  "
-                     f"reference: {'rnd succ':>8}{'ceiling':>8}{'bestfix':>8}"
-                     f"{'rnd pay':>9}{'bestfix':>9}{'bound':>9}")
+                     f"reference: {'rnd succ':>8}{'ceiling':>8}{'fix:win':>8}"
+                     f"{'rnd pay':>9}{'fix:pay':>9}{'bound':>9}")
         for name, sub, r in groups:
             curves = sub["curves"]
             for k in range(metrics["num_episodes"]):
@@ -164,7 +187,7 @@ def results_table(summary: Mapping[str, Any], titles: Mapping[str, str] | None =
                     return None if v is None else (v[k] if isinstance(v, (list, tuple)) else v)
 
                 lines.append(
-                    f"{name:<14}{k:>2}  {_fmt(curves['success'][k]):>8}{_fmt(curves['draw'][k]):>8}"
+                    f"{name:<14}{k + 1:>2}  {_fmt(curves['success'][k]):>8}{_fmt(curves['draw'][k]):>8}"
                     f"{_fmt(curves['payoff'][k], True):>9}{_fmt_ratio(sub.get('valid_action_ratio')):>7}"
                     f"   |  {'':>11}"
                     f"{_fmt(at('random_success')):>8}{_fmt(at('winnable')):>8}"

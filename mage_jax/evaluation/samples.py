@@ -20,6 +20,7 @@ class Sample:
 
     meta_episode: int
     episode: int
+    """Counted from 1 (the first attempt), as in the log keys and tables."""
     turn: int
     phase: str
     """``play`` or ``reflect``."""
@@ -36,7 +37,7 @@ def sample_rows(rows: Sequence[Row], tokenizer: Any, meta_episodes: int) -> tupl
         return ()
     kept = set(sorted({r.meta_episode for r in rows})[:meta_episodes])
     return tuple(
-        Sample(meta_episode=int(r.meta_episode), episode=int(r.episode), turn=int(r.turn), phase=r.phase,
+        Sample(meta_episode=int(r.meta_episode), episode=int(r.episode) + 1, turn=int(r.turn), phase=r.phase,
                opponent=r.opponent, valid=bool(r.valid), env_reward=float(r.env_reward),
                prompt=tokenizer.decode(list(r.prompt_ids), skip_special_tokens=False),
                response=tokenizer.decode(list(r.response_ids), skip_special_tokens=False))

@@ -249,8 +249,6 @@ def export_hf(
     `state` is a parameter state or a `Transformer`. In a multi-host run every process must call
     this (arrays are gathered); only process 0 writes.
     """
-    from safetensors.numpy import save_file
-
     if isinstance(state, Transformer):
         state = nnx.state(state, nnx.Param)
     if has_adapters(state):  # LoRA: export W + (alpha / r) A B, a plain model of the base architecture
@@ -284,12 +282,12 @@ def export_hf(
         size += nbytes
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata=metadata)
+        _save_tensors(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata)
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, file), metadata=metadata)
+            _save_tensors(shard, os.path.join(out_dir, file), metadata)
             weight_map.update({name: file for name in shard})
         total = sum(t.nbytes for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -308,6 +306,23 @@ def export_hf(
     if ids:
         with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
             json.dump(ids, f, indent=2)
+
+
+def _save_tensors(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str]) -> None:
+    """``safetensors.numpy.save_file`` with the mode of any new file (0644 under umask 022): the
+    library writes through a private temporary file and leaves it 0600, unreadable to the group that
+    reads the rest of the exported folder."""
+    from safetensors.numpy import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's file-mode creation mask (reading it means setting it; it is set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _to_host(leaf: Any) -> np.ndarray:

@@ -22,6 +22,7 @@ import jax
 
 from mage_jax import config as C
 from mage_jax.evaluation.evaluator import EvalProtocol, Evaluator
+from mage_jax.evaluation.plots import Selection
 from mage_jax.evaluation.report import build_summary, log_evaluation, write_plots, write_summary
 from mage_jax.logging import MetricsLogger
 from mage_jax.models.sharding import is_main_process
@@ -120,7 +121,9 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
     if result.final is None:
         return RunOutcome({"status": result.status, "iteration": result.iteration}, parts, trainer)
     if cfg.logging.plots and is_main_process():
-        write_plots(run_dir, result.final)
+        selection = (None if result.selected_iteration is None
+                     else Selection(logged_at=result.iteration, state_of=result.selected_iteration))
+        write_plots(run_dir, result.final, selection=selection)
     summary = build_summary(
         experiment=experiment or cfg.name, iterations=result.iteration, run_dir=run_dir,
         model_config=parts.model_config, results=result.final, wall_seconds=time.perf_counter() - start,

@@ -63,7 +63,7 @@ from mage_jax.algorithms import compute_advantages
 from mage_jax.envs import env_class
 from mage_jax.evaluation.decisions import decision_stats
 from mage_jax.evaluation.evaluator import Evaluator, SplitResult
-from mage_jax.evaluation.metrics import compute_metrics
+from mage_jax.evaluation.metrics import compute_metrics, episode_key
 from mage_jax.evaluation.report import log_evaluation
 from mage_jax.evaluation.samples import render_markdown, sample_rows
 from mage_jax.logging import MetricsLogger
@@ -265,8 +265,8 @@ class Trainer:
         train_metrics = compute_metrics(result, num_episodes=cfg.rollout.num_episodes)
         curves = train_metrics["curves"]
         for k in range(cfg.rollout.num_episodes):
-            out[f"success@{k}"] = curves["success"][k]
-            out[f"payoff@{k}"] = curves["payoff"][k]
+            out[episode_key("success", k)] = curves["success"][k]
+            out[episode_key("payoff", k)] = curves["payoff"][k]
         for opponent, split in train_metrics["by_opponent"].items():
             out[f"payoff@last/{opponent}"] = split["curves"]["payoff"][-1]
         out.update(decision_stats(result.rows, cfg.rollout.num_episodes,
@@ -478,12 +478,14 @@ class Trainer:
                 validate = every > 0 and (iteration % every == 0 or iteration == total)
                 improved = validate and self._validate(iteration)
                 bar.update(1)
-                postfix = {"succ": f"{metrics['success@last']:.2f}", "pay": f"{metrics['payoff@last']:+.2f}",
+                # rollout_*: this iteration's training rollout (final episode), not an evaluation
+                postfix = {"rollout_succ": f"{metrics['success@last']:.2f}",
+                           "rollout_pay": f"{metrics['payoff@last']:+.2f}",
                            "ent": f"{metrics['entropy']:.3f}", "kl": f"{metrics['approx_kl']:+.3f}"}
                 if self.skipped_updates:
                     postfix["skipped"] = str(self.skipped_updates)
                 if self.best is not None:
-                    postfix["best"] = f"{self.best[1]:+.3f}@{self.best[0]}"
+                    postfix["best_val_pay"] = f"{self.best[1]:+.3f}@{self.best[0]}"
                 if last_eval is not None:
                     postfix["eval_pay"] = f"{last_eval['eval'].metrics['curves']['payoff'][-1]:+.3f}"
                 bar.set_postfix(postfix)
@@ -493,13 +495,21 @@ class Trainer:
                         break
                 if self.checkpointer.should_save(iteration) or improved:
                     self._checkpoint(iteration)
-            bar.set_description("final evaluation" if status == "finished" else "saving")
             final = None
+            if status == "finished":
+                # The table printed next measures this state, not the last rollout: the bar says so
+                # instead of keeping the rollout's numbers beside it.
+                measured = (f"iteration {iteration} (last state)" if self.best is None
+                            else f"iteration {self.best[0]} (best validated state)")
+                bar.set_postfix_str(f"measuring {measured}", refresh=False)
+            bar.set_description("final evaluation" if status == "finished" else "saving")
             if status == "finished":
                 try:
                     final = self._evaluate(iteration, final=True)
                 except Interrupted:  # the resumed run evaluates again (its final records are dropped)
                     status = "interrupted"
+                else:
+                    bar.set_postfix_str(f"measured {measured}: results below")
             self._checkpoint(iteration)
             if self.skipped_updates:
                 print(f"warning: {self.skipped_updates} updates were skipped (non-finite loss, gradients or "

@@ -60,7 +60,7 @@ def test_dependence_is_weighted_over_public_situations_and_ignores_later_episode
 def test_without_a_split_only_the_entropies_are_reported():
     stats = decision_stats([row("King", "No actions yet", BET)], 1, None)
     assert stats.private_dependence is None
-    assert set(stats.metrics()) == {"entropy_play@0"}
+    assert set(stats.metrics()) == {"entropy_play@1"}  # the first episode, counted from 1
     assert isinstance(stats, DecisionStats)
 
 

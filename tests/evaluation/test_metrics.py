@@ -83,8 +83,11 @@ def test_metrics_are_plain_json_and_flatten_for_logs():
     m = compute_metrics([o.to_dict() for o in OUTCOMES], num_episodes=3)  # dicts work as well
     assert json.loads(json.dumps(m)) == m
     flat = flatten_metrics(m, prefix="eval/")
-    assert flat["eval/success@1"] == 0.5 and flat["eval/opponent/b/draw@2"] == 0.5
-    assert flat["eval/seat/0/success@0"] == 0.5 and flat["eval/valid_action_ratio"] == 8 / 9
+    # Keys count episodes from 1: ``success@2`` is the curve's second entry, episodes 1..3 give @1..@3.
+    assert flat["eval/success@2"] == m["curves"]["success"][1] == 0.5
+    assert flat["eval/opponent/b/draw@3"] == 0.5
+    assert flat["eval/seat/0/success@1"] == 0.5 and flat["eval/valid_action_ratio"] == 8 / 9
+    assert {k for k in flat if k.startswith("eval/payoff@")} == {f"eval/payoff@{k}" for k in (1, 2, 3)}
     assert all(isinstance(v, float) for v in flat.values())
 
 

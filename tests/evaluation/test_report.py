@@ -26,4 +26,5 @@ def test_results_table_lists_every_split_opponent_and_episode_with_references():
     text = results_table(summary, {"eval": "the pool"})
     assert "== the pool: 2 meta-episodes ==" in text
     assert "0.200" in text and "-0.500" in text and "wall time 3 s" in text
-    assert len([line for line in text.splitlines() if line.startswith("all")]) == 2
+    rows = [line.split() for line in text.splitlines() if line.startswith("all")]
+    assert [row[1] for row in rows] == ["1", "2"]  # episodes count from 1, as in success@k and the plots

@@ -31,11 +31,13 @@ def test_samples_are_the_decoded_calls_of_the_first_meta_episodes_in_order():
     samples = sample_rows(rows, WordTokenizer(), meta_episodes=2)
     assert [(s.meta_episode, s.turn, s.phase) for s in samples] == [(1, 0, "play"), (1, 1, "reflect"),
                                                                      (2, 0, "play")]
+    assert {s.episode for s in samples} == {1}  # row episode index 0: the first episode, counted from 1
     assert samples[0].prompt == "play Kuhn" and samples[1].response == "<remark>plan</remark>"
     assert not samples[2].valid
     assert sample_rows(rows, WordTokenizer(), meta_episodes=0) == ()
     text = render_markdown(samples)
     assert "reflect" in text and "INVALID" in text and "<action>BET</action>" in text
+    assert "**meta-episode 1, episode 1, turn 0, play**" in text
 
 
 def test_samples_go_to_jsonl_and_tensorboard_text_and_are_truncated_on_resume(tmp_path, monkeypatch):

@@ -49,8 +49,10 @@ def test_main_job_writes_a_complete_run_directory(finished_run, capsys):
     assert {r["split"] for r in records} == {"train", "validation", "eval", "heldout"}
     train = [r for r in records if r["split"] == "train"][-1]
     for key in ("policy_loss", "clip_fraction", "approx_kl", "kl_loss", "entropy", "grad_norm", "lr",
-                "skipped", "success@1", "payoff@1", "valid_action_ratio", "reward_mean"):
+                "skipped", "success@1", "payoff@1", "success@2", "payoff@2", "entropy_play@1",
+                "valid_action_ratio", "reward_mean"):
         assert key in train
+    assert not {k for r in records for k in r if k.endswith("@0")}  # episodes count from 1 (N = 2: @1, @2)
     assert train["valid_action_ratio"] == 1.0  # constrained decoding: every action is legal
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "3"]
     summary = json.loads((run_dir / "summary.json").read_text())

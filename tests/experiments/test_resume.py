@@ -105,6 +105,12 @@ def test_resume_may_train_a_finished_run_further_and_change_cadences(finished, c
     assert kuhn_poker.main(argv) == 0
     out, err = capsys.readouterr()
     assert "iteration 3: rollout, 4 rows generated" in err  # progress inside the iteration
+    assert "rollout_succ=" in err and "rollout_pay=" in err  # the bar's numbers name the training rollout
+    # The bar ends on the state the table below measures, not on the last rollout's numbers.
+    selected = json.loads((run_dir / "summary.json").read_text())["selected_iteration"]
+    last_bar = err[err.rindex("final evaluation"):].splitlines()[0]
+    assert f"measured iteration {selected} (best validated state): results below" in last_bar
+    assert "rollout_" not in last_bar
     table = out.splitlines()
     header = next(line for line in table if line.startswith("opponent"))
     assert header.split()[:6] == ["opponent", "k", "success", "draw", "payoff", "valid"]

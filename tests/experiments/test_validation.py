@@ -34,7 +34,7 @@ def test_the_best_validated_state_is_kept_and_the_final_evaluation_measures_it(v
     records = read_jsonl(str(run_dir))
     validation = [r for r in records if r["split"] == "validation"]
     assert [r["iteration"] for r in validation] == [1, 2, 3]
-    payoffs = [r["payoff@1"] for r in validation]  # final episode of N = 2
+    payoffs = [r["payoff@2"] for r in validation]  # final episode of N = 2 (episodes count from 1)
     best = 1 + int(np.argmax(payoffs))  # the first of equal payoffs
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["selected_iteration"] == best

@@ -70,6 +70,26 @@ def test_sharded_checkpoint_with_index_loads_the_same_parameters(hf_checkpoint, 
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("max_shard_bytes", [None, 40_000])
+def test_exported_files_have_the_mode_of_new_files(hf_checkpoint, tmp_path, max_shard_bytes):
+    """Weights are as readable as the config beside them: 0644 under umask 022 (safetensors alone gives
+    its temporary file's 0600), 0640 under umask 027."""
+    folder, _ = hf_checkpoint("qwen3", False)
+    config, _, state = load_hf_params(folder)
+    shards = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    for umask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        out = tmp_path / f"export-{umask:o}"
+        previous = os.umask(umask)
+        try:
+            export_hf(state, config, out, **shards)
+        finally:
+            os.umask(previous)
+        modes = {f: os.stat(out / f).st_mode & 0o777 for f in os.listdir(out)}
+        weights = sum(f.endswith(".safetensors") for f in modes)
+        assert weights == (1 if max_shard_bytes is None else len(modes) - 2)
+        assert modes == dict.fromkeys(modes, mode), modes
+
+
 def test_bfloat16_checkpoint_loads_into_float32_and_bfloat16(hf_checkpoint, left_padded_batch, tmp_path):
     import torch
     from safetensors import safe_open
