@@ -50,8 +50,8 @@ class CommandError(ValueError):
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=f"stages: {', '.join(STAGES)}")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/benchmarks/accelerator.json",
                         help="the JSON report (the markdown table goes beside it, .md)")
     parser.add_argument("--stages", default=None,

@@ -5,6 +5,7 @@ stages before it on disk; a bad command line is one error line and writes nothin
 import json
 import math
 
+import numpy as np
 import pytest
 
 from experiments.benchmarks import accelerator
@@ -162,3 +163,15 @@ def test_a_comparison_that_raises_fails_alone_and_the_others_still_run(tmp_path,
     assert cudnn["values_compared"] == 0 and cudnn["error"]  # e.g. "RuntimeError: cuDNN is not detected."
     assert blockwise["pass"] and blockwise["values_compared"] > 0 and engine["pass"]
     assert not result["all_pass"]
+
+
+def test_greedy_tokens_differ_only_at_near_ties_of_the_reference():
+    from experiments.benchmarks.accelerator_stages import greedy_agreement
+
+    logits = [np.array([[0.0, 5.0, 4.99], [0.0, 5.0, 1.0]])] * 3  # step 0..2, rows 0..1, vocab 3
+    same = greedy_agreement([[1, 1, 2], [1, 1]], [[1, 1, 2], [1, 1]], logits, margin=0.05)
+    assert same == (5, 0, 0)
+    # Row 0 first differs where the reference's two choices lie 0.01 apart: a near-tie, not a mismatch.
+    # Row 1 first differs by 4.0: a mismatch; both rows count the tokens up to their first difference.
+    assert greedy_agreement([[1, 2, 2], [2]], [[1, 1, 2], [1, 1]], logits, margin=0.05) == (3, 1, 1)
+    assert greedy_agreement([[1, 1, 2]], [[1, 1]], logits, margin=0.05) == (2, 1, 0)  # one row ran on
