@@ -182,8 +182,10 @@ def target_rows(stages: Mapping[str, Mapping[str, Any]]) -> list[TargetRow]:
 def markdown(report: Mapping[str, Any]) -> str:
     env = report["stages"].get("environment", {})
     device = env.get("device_kind", "device not recorded")
-    lines = [f"Accelerator check ({report['sizes']} sizes) on {device}, {report['started']}",
-             "", "| stage | measured | target | met |", "|---|---|---|---|"]
+    lines = [f"Accelerator check ({report['sizes']} sizes) on {device}, {report['started']}"]
+    if env.get("versions"):
+        lines.append(", ".join(f"{name} {version}" for name, version in env["versions"].items() if version))
+    lines += ["", "| stage | measured | target | met |", "|---|---|---|---|"]
     for row in target_rows(report["stages"]):
         met = {True: "yes", False: "no", None: ""}[row.met]
         lines.append(f"| {row.stage} | {row.measured} | {row.target} | {met} |")
