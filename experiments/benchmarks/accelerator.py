@@ -215,6 +215,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return report
 
 
+def exit_status(report: Mapping[str, Any]) -> int:
+    """0 when every stage finished, 1 when one recorded an error."""
+    return 0 if all(s["status"] == "ok" for s in report["stages"].values()) else 1
+
+
 if __name__ == "__main__":
-    result = main()
-    sys.exit(0 if all(s["status"] == "ok" for s in result["stages"].values()) else 1)
+    sys.exit(exit_status(main()))
