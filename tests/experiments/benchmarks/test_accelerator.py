@@ -177,3 +177,18 @@ def test_greedy_tokens_differ_only_at_near_ties_of_the_reference():
     # Row 1 first differs by 4.0: a mismatch; both rows count the tokens up to their first difference.
     assert greedy_agreement([[1, 2, 2], [2]], [[1, 1, 2], [1, 1]], logits, margin=0.05) == (3, 1, 1)
     assert greedy_agreement([[1, 1, 2]], [[1, 1]], logits, margin=0.05) == (2, 1, 0)  # one row ran on
+
+
+def test_the_default_sizes_are_valid_inputs_of_the_entry_points_they_drive(tiny_hf_model):
+    """What only a GPU runs is still checked here: the rollout benchmark accepts the default arguments and
+    the Kuhn Poker `small` preset accepts the default overrides of real_model."""
+    from experiments.benchmarks import rollout
+    from experiments.benchmarks.accelerator_stages import DEFAULT
+    from experiments.environments import environment
+
+    args = rollout.parse_args(list(DEFAULT.rollout_args))
+    assert (args.model, args.dtype, args.rows, args.slots) == ("qwen3-0.6b", "bfloat16", 128, 64)
+    overrides = {"model.path": tiny_hf_model, **DEFAULT.real_model_overrides}
+    cfg = environment("kuhn_poker").config("small", overrides)
+    assert (cfg.train.iterations, cfg.rollout.num_tasks, cfg.rollout.group_size) == (2, 4, 4)
+    assert DEFAULT.decode_rows == 64 and DEFAULT.train_model["num_hidden_layers"] == 28
