@@ -4,7 +4,8 @@ paths are right and fast, and leaves its numbers behind even when it is cut off.
     python -m experiments.benchmarks.accelerator [--out runs/benchmarks/accelerator.json]
         [--stages environment,correctness,train,decode,rollout,real_model] [--tiny] [--model-path DIR]
 
-Stages, in this order (``experiments.benchmarks.accelerator_stages``):
+Stages, in this order (``experiments.benchmarks.accelerator_stages``; the correctness stage in
+``accelerator_correctness``):
 
 1. ``environment``: devices, versions, the measured bf16 matmul rate and copy bandwidth (the ceilings the
    later figures are divided by);
@@ -40,7 +41,19 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.benchmarks.accelerator_stages import DEFAULT, STAGES, TINY, StageInput
+from experiments.benchmarks import accelerator_stages as stages
+from experiments.benchmarks.accelerator_correctness import correctness
+from experiments.benchmarks.accelerator_stages import DEFAULT, TINY, StageInput
+
+STAGES: dict[str, Callable[[StageInput], dict[str, Any]]] = {
+    "environment": stages.environment,
+    "correctness": correctness,
+    "train": stages.train,
+    "decode": stages.decode,
+    "rollout": stages.rollout_stage,
+    "real_model": stages.real_model,
+}
+"""The stages in the order they run."""
 
 EXIT_BAD_COMMAND = 2
 

@@ -8,8 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from experiments.benchmarks import accelerator
-from experiments.benchmarks.accelerator_stages import STAGES, TINY, StageInput, _check
+from experiments.benchmarks import accelerator, accelerator_correctness
+from experiments.benchmarks.accelerator import STAGES
+from experiments.benchmarks.accelerator_correctness import comparison, greedy_agreement
+from experiments.benchmarks.accelerator_stages import TINY, StageInput
 
 DECODER_CHECKS = {f"decoder_{what}/{arch}/{dtype}" for what in ("logits", "greedy")
                   for arch in ("qwen3", "llama") for dtype in ("float32", "bfloat16")}
@@ -73,10 +75,10 @@ def test_tiny_run_measures_every_stage_and_every_check_compares_something(tmp_pa
 
 
 def test_a_comparison_of_nothing_or_of_nan_never_passes():
-    assert _check("x", 10, 0.5, 1.0)["pass"]
-    assert not _check("x", 0, 0.0, 1.0)["pass"]  # nothing compared: a skipped comparison fails
-    assert not _check("x", 10, float("nan"), 1.0)["pass"]
-    assert not _check("x", 10, 1.5, 1.0)["pass"]
+    assert comparison("x", 10, 0.5, 1.0)["pass"]
+    assert not comparison("x", 0, 0.0, 1.0)["pass"]  # nothing compared: a skipped comparison fails
+    assert not comparison("x", 10, float("nan"), 1.0)["pass"]
+    assert not comparison("x", 10, 1.5, 1.0)["pass"]
 
 
 def test_a_failing_stage_leaves_the_finished_stages_on_disk_and_the_run_goes_on(tmp_path):
@@ -153,13 +155,12 @@ def test_the_table_states_each_target_and_whether_it_is_met():
 
 def test_a_comparison_that_raises_fails_alone_and_the_others_still_run(tmp_path, monkeypatch):
     """cuDNN on a CPU raises: that check is recorded as failed with its error, the next one runs."""
-    from experiments.benchmarks import accelerator_stages as stages
-
-    monkeypatch.setattr(stages, "decoder_checks", lambda given, arch: [])
-    monkeypatch.setattr(stages, "engine_check", lambda given: stages._check("engine", 1, 0.0, 0.0))
-    monkeypatch.setattr(stages, "attention_plan", lambda platform: [("cudnn", "padding", "bfloat16"),
+    checks = accelerator_correctness
+    monkeypatch.setattr(checks, "decoder_checks", lambda given, arch: [])
+    monkeypatch.setattr(checks, "engine_check", lambda given: comparison("engine", 1, 0.0, 0.0))
+    monkeypatch.setattr(checks, "attention_plan", lambda platform: [("cudnn", "padding", "bfloat16"),
                                                                    ("blockwise", "packed", "float32")])
-    result = stages.correctness(StageInput(TINY, {}, None, str(tmp_path)))
+    result = checks.correctness(StageInput(TINY, {}, None, str(tmp_path)))
     cudnn, blockwise, engine = result["checks"]
     assert cudnn["name"] == "attention/cudnn/padding/bfloat16" and not cudnn["pass"]
     assert cudnn["values_compared"] == 0 and cudnn["error"]  # e.g. "RuntimeError: cuDNN is not detected."
@@ -168,7 +169,7 @@ def test_a_comparison_that_raises_fails_alone_and_the_others_still_run(tmp_path,
 
 
 def test_greedy_tokens_differ_only_at_near_ties_of_the_reference():
-    from experiments.benchmarks.accelerator_stages import greedy_agreement
+
 
     logits = [np.array([[0.0, 5.0, 4.99], [0.0, 5.0, 1.0]])] * 3  # step 0..2, rows 0..1, vocab 3
     same = greedy_agreement([[1, 1, 2], [1, 1]], [[1, 1, 2], [1, 1]], logits, margin=0.05)
