@@ -169,6 +169,39 @@ def build_hf_checkpoint(folder: str, shape: dict[str, Any], seed: int) -> Any:
     return model
 
 
+CHECK_SHAPES = {
+    # The small random decoders the correctness checks compare with Hugging Face (grouped-query
+    # attention, untied head); weights are redrawn large (``build_random_hf_model``) so that a mistake in
+    # norms or RoPE moves the logits far beyond rounding and greedy choices are not near-ties.
+    "qwen3": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                  tie_word_embeddings=False),
+    "llama": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                  tie_word_embeddings=False),
+}
+
+
+def build_random_hf_model(architecture: str, folder: str, *, seed: int = 0, weight_std: float = 0.15) -> Any:
+    """A random ``transformers`` causal LM of ``CHECK_SHAPES[architecture]`` with matrices drawn from
+    N(0, weight_std²) and norm weights from U(0.5, 1.5), saved to ``folder`` as safetensors; returns the
+    torch model (float32, eval mode, on the CPU)."""
+    import torch
+    import transformers
+
+    configs = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(configs[architecture](**CHECK_SHAPES[architecture]))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, weight_std)
+            else:  # RMSNorm weights (neither architecture has biases here)
+                p.uniform_(0.5, 1.5)
+    model.eval().save_pretrained(folder, safe_serialization=True)
+    return model
+
+
 @contextlib.contextmanager
 def pinned_threads(threads: int) -> Iterator[dict[str, Any]]:
     """Run both runtimes on the same ``threads`` CPUs (0: leave the process as it is).

@@ -63,11 +63,11 @@ def build_ours(folder: str, prompts: list[list[int]], dtype: str, eos: int, seed
     return run, sampler, facts
 
 
-def build_hf(model: Any, prompts: list[list[int]], dtype: str):
+def build_hf(model: Any, prompts: list[list[int]], dtype: str, device: str = "cpu"):
     import torch
 
-    model = model.to(getattr(torch, dtype)).eval()
-    ids = torch.tensor(prompts, dtype=torch.long)
+    model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
+    ids = torch.tensor(prompts, dtype=torch.long, device=device)
     mask = torch.ones_like(ids)
 
     def run(new_tokens: int) -> int:
@@ -78,7 +78,7 @@ def build_hf(model: Any, prompts: list[list[int]], dtype: str):
         assert out.shape[1] == ids.shape[1] + new_tokens
         return len(prompts) * new_tokens
 
-    facts = {"dtype": dtype, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    facts = {"dtype": dtype, "torch": torch.__version__, "threads": torch.get_num_threads(), "device": device}
     return run, facts
 
 

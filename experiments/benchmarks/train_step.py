@@ -95,11 +95,12 @@ def our_batch_arrays(batch: Batch) -> Any:
 
 
 def build_ours(
-    folder: str, batch: Batch, attention: str = "auto"
+    folder: str, batch: Batch, attention: str = "auto", **overrides: Any
 ) -> tuple[Callable[[], Any], np.ndarray, dict[str, Any]]:
     """Our step as a closure (each call one update, waited for), the old log-probs it uses, and facts.
 
-    ``attention`` is the model's attention implementation (``auto``: what the trainer runs)."""
+    ``attention`` is the model's attention implementation (``auto``: what the trainer runs);
+    ``overrides`` replace further ``ModelConfig`` fields (e.g. ``dtype``, ``remat``)."""
     import jax
     import jax.numpy as jnp
 
@@ -108,7 +109,7 @@ def build_ours(
     from mage_jax.models.hf_loading import load_hf_params
     from mage_jax.training.train_step import StepConfig, TrainStep, learning_rate_schedule, make_optimizer
 
-    config = dataclasses.replace(ModelConfig.from_hf_dir(folder), attention=attention)
+    config = dataclasses.replace(ModelConfig.from_hf_dir(folder), attention=attention, **overrides)
     model_config, graphdef, params = load_hf_params(folder, config)
     schedule = learning_rate_schedule(OPTIM["lr"])
     optimizer = make_optimizer(schedule, b1=OPTIM["b1"], b2=OPTIM["b2"], weight_decay=OPTIM["weight_decay"],
@@ -132,7 +133,8 @@ def build_ours(
     facts = {"jax": jax.__version__, "backend": jax.default_backend(),
              "step_config": dataclasses.asdict(step_config), "devices": len(jax.devices()),
              "attention": attention, "attention_runs": _attention_runs(model_config, batch.length),
-             "param_dtype": str(jnp.result_type(jax.tree.leaves(params)[0]))}
+             "param_dtype": str(jnp.result_type(jax.tree.leaves(params)[0])), "dtype": model_config.dtype,
+             "remat": model_config.remat}
     return run, np.asarray(old), facts
 
 
@@ -145,24 +147,33 @@ def _attention_runs(config: Any, length: int) -> str:
 
 
 def build_torch(
-    model: Any, batch: Batch, old_logprobs: np.ndarray
+    model: Any, batch: Batch, old_logprobs: np.ndarray, *, device: str = "cpu", autocast: str | None = None
 ) -> tuple[Callable[[], Any], dict[str, Any]]:
-    """The PyTorch step with the same loss and optimizer, as a closure."""
+    """The PyTorch step with the same loss and optimizer, as a closure, on ``device``; ``autocast``
+    (e.g. ``bfloat16``) runs the forward and backward in that dtype over float32 parameters, as our
+    ``dtype`` does."""
     import torch
 
     cfg = StepConfigLike()
-    model.train()
+    model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], betas=(OPTIM["b1"], OPTIM["b2"]),
                                   weight_decay=OPTIM["weight_decay"])
-    tokens = torch.from_numpy(batch.tokens.astype(np.int64))
-    targets = torch.from_numpy(batch.targets.astype(np.int64))
-    mask = torch.from_numpy(batch.response_mask).float()
-    old = torch.from_numpy(np.array(old_logprobs, np.float32))
-    adv = torch.from_numpy(batch.advantages)[:, None]
+    tokens = torch.from_numpy(batch.tokens.astype(np.int64)).to(device)
+    targets = torch.from_numpy(batch.targets.astype(np.int64)).to(device)
+    mask = torch.from_numpy(batch.response_mask).float().to(device)
+    old = torch.from_numpy(np.array(old_logprobs, np.float32)).to(device)
+    adv = torch.from_numpy(batch.advantages)[:, None].to(device)
+    device_type = torch.device(device).type
+
+    def forward() -> Any:
+        if autocast is None:
+            return model(input_ids=tokens).logits
+        with torch.autocast(device_type, dtype=getattr(torch, autocast)):
+            return model(input_ids=tokens).logits
 
     def run() -> float:
         optimizer.zero_grad(set_to_none=True)
-        logits = model(input_ids=tokens).logits.float()
+        logits = forward().float()
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(-1, targets[..., None])[..., 0]
         entropy = -(logp_all.exp() * logp_all).sum(-1)
@@ -179,7 +190,7 @@ def build_torch(
         return float(loss.detach())
 
     return run, {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                 "attention": model.config._attn_implementation}
+                 "attention": model.config._attn_implementation, "device": device, "autocast": autocast}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,195 @@
+"""The accelerator check (``python -m experiments.benchmarks.accelerator``): every stage runs at toy
+sizes on the CPU and every correctness comparison compares something real; a stage that fails leaves the
+stages before it on disk; a bad command line is one error line and writes nothing. Not timed."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from experiments.benchmarks import accelerator, accelerator_correctness
+from experiments.benchmarks.accelerator import STAGES
+from experiments.benchmarks.accelerator_correctness import comparison, greedy_agreement
+from experiments.benchmarks.accelerator_stages import TINY, StageInput
+
+DECODER_CHECKS = {f"decoder_{what}/{arch}/{dtype}" for what in ("logits", "greedy")
+                  for arch in ("qwen3", "llama") for dtype in ("float32", "bfloat16")}
+
+
+@pytest.mark.slow
+def test_tiny_run_measures_every_stage_and_every_check_compares_something(tmp_path, tiny_hf_model):
+    out = tmp_path / "accelerator.json"
+    report = accelerator.main(["--tiny", "--out", str(out), "--model-path", tiny_hf_model])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report, default=str))
+    stages = report["stages"]
+    assert list(stages) == list(STAGES)
+    assert {name: s["status"] for name, s in stages.items()} == {name: "ok" for name in STAGES}, {
+        name: s.get("error") for name, s in stages.items()}
+    table = (tmp_path / "accelerator.md").read_text()
+    assert all(f"| {name} |" in table for name in STAGES) and "| correctness | 13 / 13 checks pass" in table
+
+    env = stages["environment"]
+    assert env["backend"] == "cpu" and env["matmul_bf16_tflops"] > 0 and env["copy_gbps"] > 0
+    assert set(env["versions"]) >= {"jax", "jaxlib", "flax", "optax", "orbax", "transformers", "torch",
+                                    "python"}
+
+    checks = {c["name"]: c for c in stages["correctness"]["checks"]}
+    assert set(checks) >= DECODER_CHECKS
+    assert {"attention/blockwise/padding/float32", "attention/prefix/packed/float32",
+            "engine_greedy_equals_lockstep/kuhn_poker"} <= set(checks)
+    for check in checks.values():
+        assert check["pass"] and check["values_compared"] > 0, check
+        assert math.isfinite(check["max_abs_diff"]) and check["max_abs_diff"] <= check["tolerance"], check
+    # The JSON never pretends: what ran is named, and the GPU / TPU kernels are listed as not compared.
+    attention = [c for c in checks.values() if c["name"].startswith("attention/")]
+    assert {c["implementation"] for c in attention} == {"blockwise", "prefix"}
+    assert all(c["reference"] == "dense" for c in attention)
+    skipped = {(s["implementation"], s["case"]) for s in stages["correctness"]["not_compared_here"]}
+    assert {("cudnn", "padding"), ("cudnn", "packed"), ("splash", "padding, packed")} == skipped
+    assert checks["engine_greedy_equals_lockstep/kuhn_poker"]["rows"] > checks[
+        "engine_greedy_equals_lockstep/kuhn_poker"]["slots"]
+    assert stages["correctness"]["all_pass"]
+
+    train = stages["train"]
+    for side in ("ours", "torch"):
+        assert train[side]["tokens_per_s"] > 0 and train[side]["mfu"] > 0
+    assert train["ours"]["dtype"] == "bfloat16" and train["ours"]["remat"] == "full"
+    assert train["torch"]["autocast"] == "bfloat16" and train["torch"]["attention"] == "sdpa"
+    assert len(train["ratio_per_repeat"]) == TINY.train_repeats
+    assert train["tokens_per_step"] == TINY.train_rows * TINY.train_length
+
+    decode = stages["decode"]
+    assert decode["rows"] == TINY.decode_rows
+    assert decode["ours"]["decode_tokens"] == TINY.decode_rows * (TINY.decode_new_tokens - 1)
+    assert decode["hf"]["new_tokens"] == TINY.decode_rows * TINY.decode_new_tokens
+    assert decode["bytes_per_step"] > 0 and decode["copy_gbps_measured"] == env["copy_gbps"]
+
+    roll = stages["rollout"]
+    assert roll["greedy_identical"] and roll["speedup"] > 0
+    assert 0 < roll["useful_decode_fraction"]["engine"] <= 1
+
+    real = stages["real_model"]
+    assert real["model_path"] == tiny_hf_model and len(real["iterations"]) == 1
+    assert len(real["iterations"][0]["payoff_by_episode"]) == 2 and real["seconds_per_iteration"] > 0
+
+
+def test_a_comparison_of_nothing_or_of_nan_never_passes():
+    assert comparison("x", 10, 0.5, 1.0)["pass"]
+    assert not comparison("x", 0, 0.0, 1.0)["pass"]  # nothing compared: a skipped comparison fails
+    assert not comparison("x", 10, float("nan"), 1.0)["pass"]
+    assert not comparison("x", 10, 1.5, 1.0)["pass"]
+
+
+def test_a_failing_stage_leaves_the_finished_stages_on_disk_and_the_run_goes_on(tmp_path):
+    out = tmp_path / "report.json"
+    seen = {}
+
+    def fine(given):
+        return {"value": 1}
+
+    def broken(given):
+        raise RuntimeError("device lost")
+
+    def later(given):
+        seen.update(json.loads(out.read_text())["stages"])  # what a kill at this moment would leave
+        return {"value": 3}
+
+    given = StageInput(TINY, {}, None, str(tmp_path))
+    stages = {"first": fine, "second": broken, "third": later}
+    report = accelerator.run_stages(list(stages), given, out, {"sizes": "tiny", "started": "now"}, stages)
+    assert seen["first"]["status"] == "ok" and seen["first"]["value"] == 1
+    assert seen["second"] == report["stages"]["second"]
+    assert report["stages"]["second"]["status"] == "error"
+    assert report["stages"]["second"]["error"] == "RuntimeError: device lost"
+    assert report["stages"]["third"]["value"] == 3 and given.prior["first"]["value"] == 1
+    assert json.loads(out.read_text()) == report
+    table = (tmp_path / "report.md").read_text()
+    assert "| second | error: RuntimeError: device lost | finishes | no |" in table
+    assert accelerator.exit_status(report) == 1
+    assert accelerator.exit_status({"stages": {"first": report["stages"]["first"]}}) == 0
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stages", "environment,bogus"], "error: unknown stage(s) 'bogus' in --stages; known: environment,"),
+    (["--stages", "real_model"], "error: stage real_model needs --model-path DIR"),
+    (["--model-path", "/nonexistent/model"], "error: --model-path '/nonexistent/model' holds no config.json"),
+])
+def test_a_bad_command_line_is_one_error_line_and_nothing_written(tmp_path, capsys, argv, message):
+    out = tmp_path / "r" / "report.json"
+    with pytest.raises(SystemExit) as exit_info:
+        accelerator.main([*argv, "--out", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert not (tmp_path / "r").exists()
+
+
+def test_stages_run_in_their_fixed_order_and_real_model_only_with_a_folder():
+    assert accelerator.select_stages(None, None) == [s for s in STAGES if s != "real_model"]
+    assert accelerator.select_stages(None, "/m") == list(STAGES)
+    assert accelerator.select_stages("rollout, environment", None) == ["environment", "rollout"]
+
+
+def test_the_table_states_each_target_and_whether_it_is_met():
+    stages = {
+        "correctness": {"status": "ok", "all_pass": False,
+                        "checks": [{"name": "a", "pass": True}, {"name": "b", "pass": False}]},
+        "train": {"status": "ok", "ours": {"mfu": 0.5, "tokens_per_s": 1000.0},
+                  "torch": {"tokens_per_s": 1100.0}, "ratio_ours_over_torch": {"median": 0.9}},
+        "decode": {"status": "ok", "rows": 64, "fraction_of_copy_bandwidth": 0.7,
+                   "decode_ratio_ours_over_hf": 2.5, "ours": {"decode_tokens_per_s": {"median": 5000.0}}},
+        "rollout": {"status": "ok", "speedup": 3.5, "useful_decode_fraction": {"engine": 0.7},
+                    "compiles_after_warmup": 0, "greedy_identical": True},
+    }
+    rows = [(r.stage, r.target, r.met) for r in accelerator.target_rows(stages)]
+    assert rows == [
+        ("correctness", "all pass", False),
+        ("train", "MFU >= 0.45", True), ("train", ">= 1.0x", False),
+        ("decode", ">= 0.6 at 64 rows", True), ("decode", ">= 2x", True),
+        ("rollout", ">= 3x with >= 0.8 useful", False),
+    ]
+    assert "failed: b" in accelerator.target_rows(stages)[0].measured
+
+
+def test_a_comparison_that_raises_fails_alone_and_the_others_still_run(tmp_path, monkeypatch):
+    """cuDNN on a CPU raises: that check is recorded as failed with its error, the next one runs."""
+    checks = accelerator_correctness
+    monkeypatch.setattr(checks, "decoder_checks", lambda given, arch: [])
+    monkeypatch.setattr(checks, "engine_check", lambda given: comparison("engine", 1, 0.0, 0.0))
+    monkeypatch.setattr(checks, "attention_plan", lambda platform: [("cudnn", "padding", "bfloat16"),
+                                                                   ("blockwise", "packed", "float32")])
+    result = checks.correctness(StageInput(TINY, {}, None, str(tmp_path)))
+    cudnn, blockwise, engine = result["checks"]
+    assert cudnn["name"] == "attention/cudnn/padding/bfloat16" and not cudnn["pass"]
+    assert cudnn["values_compared"] == 0 and cudnn["error"]  # e.g. "RuntimeError: cuDNN is not detected."
+    assert blockwise["pass"] and blockwise["values_compared"] > 0 and engine["pass"]
+    assert not result["all_pass"]
+
+
+def test_greedy_tokens_differ_only_at_near_ties_of_the_reference():
+
+
+    logits = [np.array([[0.0, 5.0, 4.99], [0.0, 5.0, 1.0]])] * 3  # step 0..2, rows 0..1, vocab 3
+    same = greedy_agreement([[1, 1, 2], [1, 1]], [[1, 1, 2], [1, 1]], logits, margin=0.05)
+    assert same == (5, 0, 0)
+    # Row 0 first differs where the reference's two choices lie 0.01 apart: a near-tie, not a mismatch.
+    # Row 1 first differs by 4.0: a mismatch; both rows count the tokens up to their first difference.
+    assert greedy_agreement([[1, 2, 2], [2]], [[1, 1, 2], [1, 1]], logits, margin=0.05) == (3, 1, 1)
+    assert greedy_agreement([[1, 1, 2]], [[1, 1]], logits, margin=0.05) == (2, 1, 0)  # one row ran on
+
+
+def test_the_default_sizes_are_valid_inputs_of_the_entry_points_they_drive(tiny_hf_model):
+    """What only a GPU runs is still checked here: the rollout benchmark accepts the default arguments and
+    the Kuhn Poker `small` preset accepts the default overrides of real_model."""
+    from experiments.benchmarks import rollout
+    from experiments.benchmarks.accelerator_stages import DEFAULT
+    from experiments.environments import environment
+
+    args = rollout.parse_args(list(DEFAULT.rollout_args))
+    assert (args.model, args.dtype, args.rows, args.slots) == ("qwen3-0.6b", "bfloat16", 128, 64)
+    overrides = {"model.path": tiny_hf_model, **DEFAULT.real_model_overrides}
+    cfg = environment("kuhn_poker").config("small", overrides)
+    assert (cfg.train.iterations, cfg.rollout.num_tasks, cfg.rollout.group_size) == (2, 4, 4)
+    assert DEFAULT.decode_rows == 64 and DEFAULT.train_model["num_hidden_layers"] == 28
