@@ -34,13 +34,13 @@ from mage_jax.algorithms import advantages
 from mage_jax.algorithms.advantages import ANCHOR_MODES, NORM_MODES
 from mage_jax.algorithms.losses import AGG_MODES, KL_KINDS
 from mage_jax.algorithms.returns import REWARD_DESIGNS
+from mage_jax.algorithms.schedules import LR_DECAYS
 from mage_jax.envs.prompts import MEMORY_MODES, STYLES
 from mage_jax.models.config import DTYPES
 from mage_jax.models.lora import LORA_TARGETS
 from mage_jax.models.sharding import MeshConfig
 from mage_jax.rollout.tasks import GROUPINGS, SEAT_MODES
 from mage_jax.tokenizer import WORD_PATTERN
-from mage_jax.training.train_step import LR_DECAYS
 
 
 class ConfigError(ValueError):

@@ -19,6 +19,7 @@ import jax
 
 from mage_jax import config as C
 from mage_jax.algorithms import AdvantageConfig
+from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.envs.base import make_env
 from mage_jax.envs.two_player import TwoPlayerGameEnv
 from mage_jax.models import sharding as shd
@@ -32,7 +33,7 @@ from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 from mage_jax.sampling import Sampler, SamplingParams
 from mage_jax.tokenizer import Tokenizer, TokenizerError
 from mage_jax.training.checkpoint import Checkpointer
-from mage_jax.training.train_step import StepConfig, TrainStep, learning_rate_schedule, make_optimizer
+from mage_jax.training.train_step import StepConfig, TrainStep, make_optimizer
 
 TOKENIZER_DIR = "tokenizer"
 EVAL_MODES = ("meta", "independent")

@@ -60,6 +60,7 @@ import numpy as np
 
 from mage_jax import config as C
 from mage_jax.algorithms import compute_advantages
+from mage_jax.algorithms.schedules import lr_decay
 from mage_jax.envs import env_class
 from mage_jax.evaluation.decisions import decision_stats
 from mage_jax.evaluation.evaluator import Evaluator, SplitResult
@@ -80,7 +81,7 @@ from mage_jax.training.assemble import (
     row_length_buckets,
 )
 from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
-from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows, lr_decay
+from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows
 
 EXIT_SECOND_INTERRUPT = 130
 """Exit status of a second Ctrl-C (the shell's 128 + SIGINT): nothing is saved."""
