@@ -230,6 +230,10 @@ class AlgorithmConfig:
     norm: NormMode = "mean_norm"
     """``mean_norm`` or ``mean_std_norm``."""
     invalid_penalty: float = 2.0
+    """c_invalid: subtracted from the row score of an invalid action or a missing ``<remark>``. The one
+    place the penalties' defaults are set (the paper's Kuhn Poker column, spec section 8; the spec's
+    general c_invalid is 0.5, which the other environments' presets set); ``algorithms`` applies
+    none unless given."""
     length_penalty: float = 2.0
     """c_len; 0 disables the overlong-response penalty."""
 

@@ -25,6 +25,7 @@ def test_defaults_are_the_paper_kuhn_settings():
     assert (cfg.optim.grad_clip, cfg.optim.mini_batch_rows, cfg.optim.epochs) == (1.0, 64, 1)
     assert (cfg.optim.clip_eps, cfg.optim.dual_clip, cfg.optim.entropy_coef) == (0.2, 3.0, 0.001)
     assert cfg.env.opponent_ratios == (0.3, 0.3, 0.4)
+    assert (cfg.algorithm.invalid_penalty, cfg.algorithm.length_penalty) == (2.0, 2.0)
 
 
 def test_string_overrides_are_parsed_by_field_type():
