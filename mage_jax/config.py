@@ -209,6 +209,17 @@ class RolloutConfig:
     engine_chunk: int = 8
     """Decode steps between the engine's host checks (a finished row waits at most this many steps)."""
 
+    @property
+    def reflection_tokens(self) -> int:
+        """The reflect-row generation limit in force: ``max_reflection_tokens``, else the play limit."""
+        return self.max_reflection_tokens or self.max_response_tokens
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The longest response of any row (play or reflection): the sampler's and the engine's generation
+        bound, and the response part of the longest training row."""
+        return max(self.max_response_tokens, self.reflection_tokens)
+
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
@@ -504,7 +515,7 @@ def _check_reflection_words(cfg: ExperimentConfig) -> None:
                     f"(got {', '.join(map(repr, bad))})")
     check(len(set(r.reflection_words)) == len(r.reflection_words),
            f"rollout.reflection_words must be distinct (got {', '.join(r.reflection_words)})")
-    limit = r.max_reflection_tokens or r.max_response_tokens
+    limit = r.reflection_tokens
     check(limit >= r.reflection_max_words + 3,
            f"rollout.max_reflection_tokens {limit} is too short for <remark>, {r.reflection_max_words} "
            f"words, </remark> and the end token; set it to >= {r.reflection_max_words + 3}")

@@ -28,6 +28,15 @@ def test_defaults_are_the_paper_kuhn_settings():
     assert (cfg.algorithm.invalid_penalty, cfg.algorithm.length_penalty) == (2.0, 2.0)
 
 
+def test_the_reflection_limit_falls_back_to_the_play_limit_and_the_longer_bounds_generation():
+    assert (cfg_with(rollout__max_response_tokens=40).rollout.reflection_tokens,
+            cfg_with(rollout__max_response_tokens=40).rollout.max_new_tokens) == (40, 40)
+    longer = cfg_with(rollout__max_response_tokens=40, rollout__max_reflection_tokens=100).rollout
+    shorter = cfg_with(rollout__max_response_tokens=40, rollout__max_reflection_tokens=10).rollout
+    assert (longer.reflection_tokens, longer.max_new_tokens) == (100, 100)
+    assert (shorter.reflection_tokens, shorter.max_new_tokens) == (10, 40)
+
+
 def test_string_overrides_are_parsed_by_field_type():
     cfg = cfg_with(optim__lr="1e-3", rollout__reflect="false", rollout__batch_size="none",
                    env__opponents="a,b", env__opponent_ratios="[0.5, 0.5]",

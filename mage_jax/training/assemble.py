@@ -61,8 +61,7 @@ def length_buckets(limit: int, configured: Sequence[int] = ()) -> tuple[int, ...
 def row_length_buckets(cfg: C.ExperimentConfig) -> tuple[int, ...]:
     """Buckets of prompt + response rows in the train step."""
     r = cfg.rollout
-    return length_buckets(r.max_prompt_tokens + max(r.max_response_tokens, r.max_reflection_tokens or 0),
-                          r.length_buckets)
+    return length_buckets(r.max_prompt_tokens + r.max_new_tokens, r.length_buckets)
 
 
 def advantage_config(cfg: C.ExperimentConfig) -> AdvantageConfig:
@@ -96,7 +95,7 @@ def constraint_length(cfg: C.ExperimentConfig) -> int:
     constrained, the reflection limit too when reflections are; 0 when nothing is constrained."""
     r = cfg.rollout
     lengths = [r.max_response_tokens if r.constrained_actions else 0,
-               (r.max_reflection_tokens or r.max_response_tokens) if r.reflection_words else 0]
+               r.reflection_tokens if r.reflection_words else 0]
     return max(lengths)
 
 
@@ -115,7 +114,7 @@ def runner_config(cfg: C.ExperimentConfig, *, num_episodes: int, privileged_refl
         max_prompt_tokens=r.max_prompt_tokens,
         max_turns=r.max_turns,
         max_response_tokens=r.max_response_tokens,
-        max_reflection_tokens=r.max_reflection_tokens or r.max_response_tokens,
+        max_reflection_tokens=r.reflection_tokens,
         reflection_words=tuple(r.reflection_words),
         reflection_max_words=r.reflection_max_words,
         keep_text=keep_text,
@@ -363,7 +362,7 @@ class RunParts:
         r = self.cfg.rollout
         sampling = SamplingParams(
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            max_new_tokens=max(r.max_response_tokens, r.max_reflection_tokens or 0),
+            max_new_tokens=r.max_new_tokens,
         )
         return LLMPolicy(self.tokenizer, self.sampler, params, sampling, key,
                          max_prompt_tokens=r.max_prompt_tokens, engine=self.engine)
@@ -411,7 +410,7 @@ def make_engine(cfg: C.ExperimentConfig, sampler: Sampler, mesh: Any) -> Rollout
     slots = r.engine_slots or min(sampler_batch_buckets(cfg, mesh)[-1], 64)
     slots = -(-slots // batch_axis) * batch_axis
     return RolloutEngine(sampler, slots=slots, chunk=r.engine_chunk,
-                         max_new_tokens=max(r.max_response_tokens, r.max_reflection_tokens or 0))
+                         max_new_tokens=r.max_new_tokens)
 
 
 def evaluation_key(base_key: jax.Array, iteration: int) -> jax.Array:
