@@ -74,8 +74,9 @@ class TrainBatch:
         """Host arrays of rows ``index`` (``-1``: a masked padding row) of a ``PackedBatch``.
 
         ``advantages`` is per row ``[R]`` of the whole batch. ``length`` cuts the token axis (rows are
-        right-padded, so any length that holds the longest selected row loses nothing). Log-probs are
-        attached on the device by the caller (``with_logprobs``).
+        right-padded, so any length that holds the longest selected row loses nothing). The old and
+        reference log-probs are attached on the host by the caller (``replace`` with ``gather_rows`` of
+        its host tables) before ``TrainStep.place_batch`` sends the batch to the device.
         """
         index = np.asarray(index, dtype=np.int64)
         pad = index < 0

@@ -6,7 +6,7 @@ One iteration ``i`` (1-based):
     TaskSampler.sample_train(i - 1) -> train runner (LLM policy with the current parameters)
     -> pack_rows -> advantages (registry: gigpo / grpo / rloo with the configured reward design)
     -> old log-probs (and reference log-probs when the KL term is on), recomputed by the training
-       model into device-resident [rows, tokens] tables
+       model on the device one mini-batch at a time and copied into [rows, tokens] tables on the host
     -> PPO epochs over mini-batches (``TrainBatch`` -> ``TrainStep.update``) -> metrics log
 
 The parts (``training.assemble.RunParts``) and the evaluator (``evaluation.evaluator.Evaluator``) are
