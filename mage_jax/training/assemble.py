@@ -22,6 +22,7 @@ from mage_jax.algorithms import AdvantageConfig
 from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.envs.base import make_env
 from mage_jax.envs.two_player import TwoPlayerGameEnv
+from mage_jax.logging import MetricsLogger
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.hf_loading import load_hf_params
@@ -204,7 +205,21 @@ def best_checkpoint_dir(cfg: C.ExperimentConfig, run_dir: str | None = None) -> 
 
 
 def make_checkpointer(cfg: C.ExperimentConfig, run_dir: str) -> Checkpointer:
+    """The run's checkpoints (``checkpoint.dir``, ``checkpoint.keep``, saved every ``checkpoint.every``)."""
     return Checkpointer(checkpoint_dir(cfg, run_dir), keep=cfg.checkpoint.keep, every=cfg.checkpoint.every)
+
+
+def make_best_checkpointer(cfg: C.ExperimentConfig, run_dir: str) -> Checkpointer | None:
+    """The best validated state's checkpoint (one kept); None without validation."""
+    return Checkpointer(best_checkpoint_dir(cfg, run_dir), keep=1) if cfg.train.validate_every > 0 else None
+
+
+def make_logger(cfg: C.ExperimentConfig, run_dir: str, *, resume: bool) -> MetricsLogger:
+    """The run's metrics log (``metrics.jsonl``, ``samples.jsonl``, TensorBoard / W&B when on). A fresh run
+    starts the files anew; a resumed one keeps them for the trainer to rewind to its checkpoint."""
+    lc = cfg.logging
+    return MetricsLogger(run_dir, tensorboard=lc.tensorboard, wandb=lc.wandb, wandb_project=lc.wandb_project,
+                         config=C.to_dict(cfg), keep_existing=resume)
 
 
 # ----------------------------------------------------------------------------------------------
