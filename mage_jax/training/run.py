@@ -116,10 +116,17 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
     run_dir = _run_dir(cfg)
     with _nothing_left_on_error(run_dir):
         parts = build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)
-        trainer = Trainer(parts, Evaluator(parts, protocol, progress=cfg.logging.progress),
-                          logger=make_logger(cfg, run_dir, resume=resume),
-                          checkpointer=make_checkpointer(cfg, run_dir),
-                          best_checkpointer=make_best_checkpointer(cfg, run_dir), resume=resume)
+        checkpointer = make_checkpointer(cfg, run_dir)
+        best_checkpointer = make_best_checkpointer(cfg, run_dir)
+        logger = make_logger(cfg, run_dir, resume=resume)
+        try:
+            trainer = Trainer(parts, Evaluator(parts, protocol, progress=cfg.logging.progress), logger=logger,
+                              checkpointer=checkpointer, best_checkpointer=best_checkpointer, resume=resume)
+        except BaseException:  # e.g. a checkpoint of another config: nothing stays open
+            for part in (logger, checkpointer, best_checkpointer):
+                if part is not None:
+                    part.close()
+            raise
     _write_run_files(cfg, protocol, run_dir)
     if is_main_process():
         with contextlib.suppress(FileNotFoundError):  # a finished run trained further
