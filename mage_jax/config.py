@@ -48,9 +48,21 @@ from mage_jax.rollout.tasks import GROUPINGS, SEAT_MODES
 from mage_jax.tokenizer import WORD_PATTERN
 
 __all__ = [
+    "CONFIG_FILE",
+    "AlgorithmConfig",
+    "CheckpointConfig",
     "ConfigError",
+    "EnvConfig",
     "ExperimentConfig",
     "KeyInfo",
+    "LoggingConfig",
+    "ModelSection",
+    "OptimConfig",
+    "RolloutConfig",
+    "SamplingConfig",
+    "SamplingSection",
+    "TokenizerConfig",
+    "TrainConfig",
     "all_keys",
     "apply_overrides",
     "coerce",
@@ -63,7 +75,8 @@ __all__ = [
     "to_dict",
     "validate",
 ]
-"""The generic override functions of ``configtools`` are re-exported: callers name one module."""
+"""The sections, their validation and files, and the generic functions of ``configtools`` that callers
+use (re-exported, so that callers name one module)."""
 
 # Choice types: the allowed values are defined once, by the module that uses the setting, and checked
 # here for every field of a Literal type (when an override is parsed and again in ``validate``).
