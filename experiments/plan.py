@@ -263,7 +263,7 @@ def rollout_shape(setup: Setup) -> tuple[int, int, int]:
     """(rows, prompt tokens, new tokens) of the rollout's largest sampler call: the largest row bucket,
     the longest prompt bucket, the longest response (play or reflection)."""
     r = setup.cfg.rollout
-    new_tokens = max(r.max_response_tokens, r.max_reflection_tokens or 0)
+    new_tokens = r.max_new_tokens
     return setup.sampler.batch_buckets[-1], setup.sampler.prompt_buckets[-1], new_tokens
 
 

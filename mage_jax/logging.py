@@ -103,6 +103,7 @@ class MetricsLogger:
         resume_iteration: int | None = None,
         keep_evaluations: bool = True,
         writes: bool | None = None,
+        keep_existing: bool = False,
     ):
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, METRICS_FILE)
@@ -117,11 +118,22 @@ class MetricsLogger:
         for path in (self.path, self.samples_path):
             if resume_iteration is not None:
                 truncate_after(path, resume_iteration, keep_evaluations=keep_evaluations)
-            elif os.path.exists(path):
+            elif os.path.exists(path) and not keep_existing:
                 os.remove(path)
         self._file = open(self.path, "a")  # noqa: SIM115 (open for the logger's lifetime)
         self._tb = _open_tensorboard(run_dir) if tensorboard else None
         self._wandb = _open_wandb(run_dir, wandb_project, config) if wandb else None
+
+    def rewind(self, iteration: int, *, keep_evaluations: bool = True) -> None:
+        """Drop the records after ``iteration`` (``truncate_after``): a run resumed from the checkpoint
+        of ``iteration`` writes them again. For a logger opened with ``keep_existing=True`` before the
+        resume point was known (the trainer learns it from its checkpoint)."""
+        if not self.writes:
+            return
+        self._file.close()
+        for path in (self.path, self.samples_path):
+            truncate_after(path, iteration, keep_evaluations=keep_evaluations)
+        self._file = open(self.path, "a")  # noqa: SIM115 (open for the logger's lifetime)
 
     def log(self, iteration: int, metrics: Mapping[str, Any], *, split: str = "train") -> dict[str, Any]:
         record = {"split": split, "iteration": int(iteration), "time": round(time.time(), 3)}

@@ -25,6 +25,16 @@ def test_defaults_are_the_paper_kuhn_settings():
     assert (cfg.optim.grad_clip, cfg.optim.mini_batch_rows, cfg.optim.epochs) == (1.0, 64, 1)
     assert (cfg.optim.clip_eps, cfg.optim.dual_clip, cfg.optim.entropy_coef) == (0.2, 3.0, 0.001)
     assert cfg.env.opponent_ratios == (0.3, 0.3, 0.4)
+    assert (cfg.algorithm.invalid_penalty, cfg.algorithm.length_penalty) == (2.0, 2.0)
+
+
+def test_the_reflection_limit_falls_back_to_the_play_limit_and_the_longer_bounds_generation():
+    assert (cfg_with(rollout__max_response_tokens=40).rollout.reflection_tokens,
+            cfg_with(rollout__max_response_tokens=40).rollout.max_new_tokens) == (40, 40)
+    longer = cfg_with(rollout__max_response_tokens=40, rollout__max_reflection_tokens=100).rollout
+    shorter = cfg_with(rollout__max_response_tokens=40, rollout__max_reflection_tokens=10).rollout
+    assert (longer.reflection_tokens, longer.max_new_tokens) == (100, 100)
+    assert (shorter.reflection_tokens, shorter.max_new_tokens) == (10, 40)
 
 
 def test_string_overrides_are_parsed_by_field_type():

@@ -19,6 +19,8 @@ ORCHESTRATION = (
     "mage_jax/rollout",
     "mage_jax/evaluation/evaluator.py",
     "mage_jax/evaluation/report.py",
+    "mage_jax/models/sharding.py",
+    "mage_jax/models/transformer.py",
     "experiments/common.py",
     "experiments/environments.py",
     "experiments/presets.py",

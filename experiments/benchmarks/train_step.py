@@ -104,10 +104,11 @@ def build_ours(
     import jax
     import jax.numpy as jnp
 
+    from mage_jax.algorithms.schedules import learning_rate_schedule
     from mage_jax.models import sharding as shd
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.hf_loading import load_hf_params
-    from mage_jax.training.train_step import StepConfig, TrainStep, learning_rate_schedule, make_optimizer
+    from mage_jax.training.train_step import StepConfig, TrainStep, make_optimizer
 
     config = dataclasses.replace(ModelConfig.from_hf_dir(folder), attention=attention, **overrides)
     model_config, graphdef, params = load_hf_params(folder, config)

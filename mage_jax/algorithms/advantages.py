@@ -56,8 +56,11 @@ class AdvantageConfig:
     omega: float = 1.0
     norm: str = "mean_norm"
     anchor: str = "global"
-    invalid_penalty: float = 0.5
+    invalid_penalty: float = 0.0
+    """c_invalid. The penalties default to 0 (none) here: a run's values are set once, by
+    ``mage_jax.config.AlgorithmConfig`` (its defaults: the paper's Kuhn Poker column, docs/method.md §8)."""
     length_penalty: float = 0.0
+    """c_len (needs ``max_response_length``, M)."""
     max_response_length: int | None = None
     epsilon: float = 1e-6
 

@@ -235,7 +235,7 @@ def _row_penalties(rows: RowBatch, invalid_penalty, length_penalty, max_response
 def row_penalties(
     rows: RowBatch,
     *,
-    invalid_penalty: float = 0.5,
+    invalid_penalty: float = 0.0,
     length_penalty: float = 0.0,
     max_response_length: int | None = None,
 ) -> jax.Array:
@@ -243,6 +243,8 @@ def row_penalties(
 
     Invalid action or missing ``<remark>``: c_invalid. Response length L above half of the maximum
     M: c_len · min(1, (L - M/2) / (M/2)). ``max_response_length=None`` disables the length term.
+    Both coefficients default to 0 (no penalty): a run's values are set once, by
+    ``mage_jax.config.AlgorithmConfig``.
     """
     return _row_penalties(rows, invalid_penalty, length_penalty, _length_limit(max_response_length))
 
@@ -251,7 +253,7 @@ def row_scores(
     rows: RowBatch,
     reward_design: str = "differential",
     *,
-    invalid_penalty: float = 0.5,
+    invalid_penalty: float = 0.0,
     length_penalty: float = 0.0,
     max_response_length: int | None = None,
 ) -> jax.Array:

@@ -27,9 +27,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from mage_jax.models.config import ModelConfig
-
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+from mage_jax.models.mesh_axes import AXES, BATCH_AXES
+from mage_jax.models.transformer import Transformer
 
 # (path regex, mesh axis per array dimension). Order matters: the first match wins.
 PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
@@ -155,23 +154,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
-def constrain_rows(x: jax.Array) -> jax.Array:
-    """Keep an activation's rows split over the batch axes of the mesh in context (`jax.set_mesh`).
-
-    Without it, XLA may resolve "rows on fsdp" against "weight rows on fsdp" by gathering the whole
-    mini-batch's activations onto every device instead of gathering the (much smaller) weights. A
-    no-op without a mesh in context or when the rows do not divide the batch axes.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
-    ways = math.prod(mesh.shape[a] for a in axes)
-    if ways == 1 or x.shape[0] % ways:
-        return x
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *([None] * (x.ndim - 1))))
-
-
 def to_host(x: jax.Array) -> Any:
     """The whole of a (possibly multi-process) array as numpy on this host. With several processes a
     row-sharded array has rows on other hosts: they are gathered (every process must call this)."""
@@ -198,8 +180,6 @@ def cache_sharding(config: ModelConfig, mesh: Mesh, batch: int) -> NamedSharding
 def abstract_sharded(config: ModelConfig, mesh: Mesh, seed: int = 0) -> tuple[nnx.GraphDef, Any]:
     """The graph and the parameter state of ``config`` as ``ShapeDtypeStruct`` leaves carrying their
     shardings: what ``init_sharded`` would place, without allocating anything (ahead-of-time plans)."""
-    from mage_jax.models.transformer import Transformer
-
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed)))
     graphdef, abstract_state = nnx.split(abstract)
     shardings = param_shardings(abstract_state, mesh)
@@ -210,8 +190,6 @@ def abstract_sharded(config: ModelConfig, mesh: Mesh, seed: int = 0) -> tuple[nn
 
 def init_sharded(config: ModelConfig, mesh: Mesh, seed: int = 0) -> tuple[nnx.GraphDef, Any]:
     """Initialise a fresh model directly into its shardings (no full copy on one device)."""
-    from mage_jax.models.transformer import Transformer
-
     graphdef, abstract_state = abstract_sharded(config, mesh, seed)
     shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
 

@@ -42,7 +42,7 @@ from flax import nnx
 from mage_jax.models import attention as attn
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.lora import LoRALinear
-from mage_jax.models.sharding import constrain_rows
+from mage_jax.models.mesh_axes import constrain_rows
 
 
 # ---------------------------------------------------------------------------- KV cache

@@ -19,8 +19,10 @@ import jax
 
 from mage_jax import config as C
 from mage_jax.algorithms import AdvantageConfig
+from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.envs.base import make_env
 from mage_jax.envs.two_player import TwoPlayerGameEnv
+from mage_jax.logging import MetricsLogger
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.hf_loading import load_hf_params
@@ -32,7 +34,7 @@ from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 from mage_jax.sampling import Sampler, SamplingParams
 from mage_jax.tokenizer import Tokenizer, TokenizerError
 from mage_jax.training.checkpoint import Checkpointer
-from mage_jax.training.train_step import StepConfig, TrainStep, learning_rate_schedule, make_optimizer
+from mage_jax.training.train_step import StepConfig, TrainStep, make_optimizer
 
 TOKENIZER_DIR = "tokenizer"
 EVAL_MODES = ("meta", "independent")
@@ -60,8 +62,7 @@ def length_buckets(limit: int, configured: Sequence[int] = ()) -> tuple[int, ...
 def row_length_buckets(cfg: C.ExperimentConfig) -> tuple[int, ...]:
     """Buckets of prompt + response rows in the train step."""
     r = cfg.rollout
-    return length_buckets(r.max_prompt_tokens + max(r.max_response_tokens, r.max_reflection_tokens or 0),
-                          r.length_buckets)
+    return length_buckets(r.max_prompt_tokens + r.max_new_tokens, r.length_buckets)
 
 
 def advantage_config(cfg: C.ExperimentConfig) -> AdvantageConfig:
@@ -95,7 +96,7 @@ def constraint_length(cfg: C.ExperimentConfig) -> int:
     constrained, the reflection limit too when reflections are; 0 when nothing is constrained."""
     r = cfg.rollout
     lengths = [r.max_response_tokens if r.constrained_actions else 0,
-               (r.max_reflection_tokens or r.max_response_tokens) if r.reflection_words else 0]
+               r.reflection_tokens if r.reflection_words else 0]
     return max(lengths)
 
 
@@ -114,7 +115,7 @@ def runner_config(cfg: C.ExperimentConfig, *, num_episodes: int, privileged_refl
         max_prompt_tokens=r.max_prompt_tokens,
         max_turns=r.max_turns,
         max_response_tokens=r.max_response_tokens,
-        max_reflection_tokens=r.max_reflection_tokens or r.max_response_tokens,
+        max_reflection_tokens=r.reflection_tokens,
         reflection_words=tuple(r.reflection_words),
         reflection_max_words=r.reflection_max_words,
         keep_text=keep_text,
@@ -204,7 +205,21 @@ def best_checkpoint_dir(cfg: C.ExperimentConfig, run_dir: str | None = None) -> 
 
 
 def make_checkpointer(cfg: C.ExperimentConfig, run_dir: str) -> Checkpointer:
+    """The run's checkpoints (``checkpoint.dir``, ``checkpoint.keep``, saved every ``checkpoint.every``)."""
     return Checkpointer(checkpoint_dir(cfg, run_dir), keep=cfg.checkpoint.keep, every=cfg.checkpoint.every)
+
+
+def make_best_checkpointer(cfg: C.ExperimentConfig, run_dir: str) -> Checkpointer | None:
+    """The best validated state's checkpoint (one kept); None without validation."""
+    return Checkpointer(best_checkpoint_dir(cfg, run_dir), keep=1) if cfg.train.validate_every > 0 else None
+
+
+def make_logger(cfg: C.ExperimentConfig, run_dir: str, *, resume: bool) -> MetricsLogger:
+    """The run's metrics log (``metrics.jsonl``, ``samples.jsonl``, TensorBoard / W&B when on). A fresh run
+    starts the files anew; a resumed one keeps them for the trainer to rewind to its checkpoint."""
+    lc = cfg.logging
+    return MetricsLogger(run_dir, tensorboard=lc.tensorboard, wandb=lc.wandb, wandb_project=lc.wandb_project,
+                         config=C.to_dict(cfg), keep_existing=resume)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -362,7 +377,7 @@ class RunParts:
         r = self.cfg.rollout
         sampling = SamplingParams(
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            max_new_tokens=max(r.max_response_tokens, r.max_reflection_tokens or 0),
+            max_new_tokens=r.max_new_tokens,
         )
         return LLMPolicy(self.tokenizer, self.sampler, params, sampling, key,
                          max_prompt_tokens=r.max_prompt_tokens, engine=self.engine)
@@ -410,7 +425,7 @@ def make_engine(cfg: C.ExperimentConfig, sampler: Sampler, mesh: Any) -> Rollout
     slots = r.engine_slots or min(sampler_batch_buckets(cfg, mesh)[-1], 64)
     slots = -(-slots // batch_axis) * batch_axis
     return RolloutEngine(sampler, slots=slots, chunk=r.engine_chunk,
-                         max_new_tokens=max(r.max_response_tokens, r.max_reflection_tokens or 0))
+                         max_new_tokens=r.max_new_tokens)
 
 
 def evaluation_key(base_key: jax.Array, iteration: int) -> jax.Array:

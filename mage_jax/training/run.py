@@ -26,7 +26,13 @@ from mage_jax.evaluation.plots import Selection
 from mage_jax.evaluation.report import build_summary, log_evaluation, write_plots, write_summary
 from mage_jax.logging import MetricsLogger
 from mage_jax.models.sharding import is_main_process
-from mage_jax.training.assemble import RunParts, build_parts
+from mage_jax.training.assemble import (
+    RunParts,
+    build_parts,
+    make_best_checkpointer,
+    make_checkpointer,
+    make_logger,
+)
 from mage_jax.training.trainer import Trainer
 
 PROTOCOL_FILE = "experiment.json"
@@ -111,7 +117,17 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
     run_dir = _run_dir(cfg)
     with _nothing_left_on_error(run_dir):
         parts = build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)
-        trainer = Trainer(parts, Evaluator(parts, protocol, progress=cfg.logging.progress), resume=resume)
+        checkpointer = make_checkpointer(cfg, run_dir)
+        best_checkpointer = make_best_checkpointer(cfg, run_dir)
+        logger = make_logger(cfg, run_dir, resume=resume)
+        try:
+            trainer = Trainer(parts, Evaluator(parts, protocol, progress=cfg.logging.progress), logger=logger,
+                              checkpointer=checkpointer, best_checkpointer=best_checkpointer, resume=resume)
+        except BaseException:  # e.g. a checkpoint of another config: nothing stays open
+            for part in (logger, checkpointer, best_checkpointer):
+                if part is not None:
+                    part.close()
+            raise
     _write_run_files(cfg, protocol, run_dir)
     if is_main_process():
         with contextlib.suppress(FileNotFoundError):  # a finished run trained further

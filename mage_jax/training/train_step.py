@@ -74,8 +74,9 @@ class TrainBatch:
         """Host arrays of rows ``index`` (``-1``: a masked padding row) of a ``PackedBatch``.
 
         ``advantages`` is per row ``[R]`` of the whole batch. ``length`` cuts the token axis (rows are
-        right-padded, so any length that holds the longest selected row loses nothing). Log-probs are
-        attached on the device by the caller (``with_logprobs``).
+        right-padded, so any length that holds the longest selected row loses nothing). The old and
+        reference log-probs are attached on the host by the caller (``replace`` with ``gather_rows`` of
+        its host tables) before ``TrainStep.place_batch`` sends the batch to the device.
         """
         index = np.asarray(index, dtype=np.int64)
         pad = index < 0
@@ -143,33 +144,6 @@ class TrainState:
     params: Any
     opt_state: Any
     step: jax.Array
-
-
-def learning_rate_schedule(lr: float, warmup_steps: int = 0) -> optax.Schedule:
-    """Constant ``lr`` (the paper), after an optional linear warm-up."""
-    if warmup_steps <= 0:
-        return optax.constant_schedule(lr)
-    return optax.join_schedules(
-        [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)], [warmup_steps]
-    )
-
-
-LR_DECAYS = ("constant", "linear", "cosine")
-
-
-def lr_decay(kind: str, progress: float, end_fraction: float = 0.0) -> float:
-    """Multiplier of the learning rate at ``progress`` in [0, 1] of the run: constant, linear or cosine
-    decay from 1 to ``end_fraction``."""
-    progress = min(max(float(progress), 0.0), 1.0)
-    if kind == "constant":
-        return 1.0
-    if kind == "linear":
-        shape = 1.0 - progress
-    elif kind == "cosine":
-        shape = 0.5 * (1.0 + float(np.cos(np.pi * progress)))
-    else:
-        raise ValueError(f"unknown learning-rate decay {kind!r}; expected constant, linear or cosine")
-    return end_fraction + (1.0 - end_fraction) * shape
 
 
 def make_optimizer(

@@ -6,13 +6,14 @@ One iteration ``i`` (1-based):
     TaskSampler.sample_train(i - 1) -> train runner (LLM policy with the current parameters)
     -> pack_rows -> advantages (registry: gigpo / grpo / rloo with the configured reward design)
     -> old log-probs (and reference log-probs when the KL term is on), recomputed by the training
-       model into device-resident [rows, tokens] tables
+       model on the device one mini-batch at a time and copied into [rows, tokens] tables on the host
     -> PPO epochs over mini-batches (``TrainBatch`` -> ``TrainStep.update``) -> metrics log
 
-The parts (``training.assemble.RunParts``) and the evaluator (``evaluation.evaluator.Evaluator``) are
-collaborators given to the constructor; the trainer calls the evaluator every ``train.eval_every``
-iterations and at the end, and returns the final evaluation. Writing ``summary.json``, plots and
-tables is the caller's job (``training.run``).
+The parts (``training.assemble.RunParts``), the evaluator (``evaluation.evaluator.Evaluator``), the
+metrics logger and the two checkpointers are collaborators given to the constructor; an iteration's
+record is ``evaluation.training_metrics.iteration_metrics``; the trainer calls the evaluator every
+``train.eval_every`` iterations and at the end, and returns the final evaluation. Building the
+collaborators and writing ``summary.json``, plots and tables is the caller's job (``training.run``).
 
 Reproducibility: every random choice of iteration i (tasks, sampling, mini-batch order) is a pure
 function of (seed, i), so a run resumed from the checkpoint of iteration k writes exactly the metrics
@@ -60,35 +61,23 @@ import numpy as np
 
 from mage_jax import config as C
 from mage_jax.algorithms import compute_advantages
+from mage_jax.algorithms.schedules import lr_decay
 from mage_jax.envs import env_class
-from mage_jax.evaluation.decisions import decision_stats
 from mage_jax.evaluation.evaluator import Evaluator, SplitResult
-from mage_jax.evaluation.metrics import compute_metrics, episode_key
 from mage_jax.evaluation.report import log_evaluation
 from mage_jax.evaluation.samples import render_markdown, sample_rows
+from mage_jax.evaluation.training_metrics import IterationTimings, iteration_metrics
 from mage_jax.logging import MetricsLogger
 from mage_jax.models.sharding import to_host
 from mage_jax.progress import NoBar, progress_bar
 from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices, pack_rows, pick_bucket
 from mage_jax.rollout.stopping import Interrupted, StoppablePolicy
-from mage_jax.training.assemble import (
-    RunParts,
-    advantage_config,
-    best_checkpoint_dir,
-    evaluation_key,
-    make_checkpointer,
-    row_length_buckets,
-)
+from mage_jax.training.assemble import RunParts, advantage_config, evaluation_key, row_length_buckets
 from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
-from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows, lr_decay
+from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows
 
 EXIT_SECOND_INTERRUPT = 130
 """Exit status of a second Ctrl-C (the shell's 128 + SIGINT): nothing is saved."""
-SUMMED_STEP_METRICS = ("skipped", "response_tokens")
-MAX_STEP_METRICS = ("update_ratio",)
-"""Reported as the largest value of the iteration's updates (the others: their mean)."""
-ROLLOUT_STATS = ("rows", "invalid_ratio", "response_length_mean", "response_length_max", "episodes_run_mean",
-                 "truncated_responses", "overflow_invalid")
 
 
 class TrainingStopped(RuntimeError):
@@ -110,12 +99,24 @@ class TrainResult:
 
 
 class Trainer:
-    """Trains (or resumes) the run of ``parts.cfg``, evaluating with ``evaluator``."""
+    """Trains (or resumes) the run of ``parts.cfg``, evaluating with ``evaluator``.
 
-    def __init__(self, parts: RunParts, evaluator: Evaluator, *, resume: bool = False):
+    Collaborators come in built (``training.run.train`` builds them with ``assemble.make_logger`` /
+    ``make_checkpointer`` / ``make_best_checkpointer``): ``logger`` receives one ``train`` record per
+    iteration and the evaluation and validation records; ``checkpointer`` keeps the run's states at
+    ``checkpoint.every``; ``best_checkpointer`` (required exactly when ``train.validate_every > 0``)
+    keeps the best validated state. With ``resume`` the newest checkpoint is restored and ``logger``
+    (opened with ``keep_existing=True``) is rewound to it. The trainer closes all three when its run ends.
+    """
+
+    def __init__(self, parts: RunParts, evaluator: Evaluator, *, logger: MetricsLogger,
+                 checkpointer: Checkpointer, best_checkpointer: Checkpointer | None = None,
+                 resume: bool = False):
         cfg = parts.cfg
         if cfg.logging.run_dir is None:
             raise C.ConfigError("logging.run_dir must be set before training")
+        if (best_checkpointer is not None) != (cfg.train.validate_every > 0):
+            raise ValueError("a best-state checkpointer is needed exactly when train.validate_every > 0")
         self.cfg, self.parts, self.evaluator = cfg, parts, evaluator
         self.run_dir = cfg.logging.run_dir
         self._stop = threading.Event()
@@ -130,9 +131,8 @@ class Trainer:
         self.adv_cfg = advantage_config(cfg)
         self.length_buckets = row_length_buckets(cfg)
         self.base_key = jax.random.key(cfg.train.seed)
-        self.checkpointer = make_checkpointer(cfg, self.run_dir)
-        self.best_checkpointer = (Checkpointer(best_checkpoint_dir(cfg, self.run_dir), keep=1)
-                                  if cfg.train.validate_every > 0 else None)
+        self.checkpointer = checkpointer
+        self.best_checkpointer = best_checkpointer
         self.best: tuple[int, float] | None = None
         """(iteration, validation payoff) of the best validated state (kept by ``best_checkpointer``)."""
         self.start_iteration = 0
@@ -158,13 +158,11 @@ class Trainer:
                 raise C.ConfigError(str(err)) from None
         if self.best_checkpointer is not None:
             self._reconcile_best()
-        self.logger = MetricsLogger(
-            self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-            wandb_project=cfg.logging.wandb_project, config=C.to_dict(cfg),
-            resume_iteration=self.start_iteration if resume else None,
+        self.logger = logger
+        if resume:
             # The final evaluation, or an abandoned one, reruns: its records of this iteration go.
-            keep_evaluations=self.start_iteration < cfg.train.iterations and not self.pending_evaluation,
-        )
+            reruns_evaluation = self.start_iteration >= cfg.train.iterations or self.pending_evaluation
+            logger.rewind(self.start_iteration, keep_evaluations=not reruns_evaluation)
 
     # -- one iteration ---------------------------------------------------------------------------------
     def train_iteration(self, iteration: int) -> dict[str, float]:
@@ -248,47 +246,17 @@ class Trainer:
         step_metrics = [{k: float(v) for k, v in m.items()} for m in jax.device_get(step_metrics)]
         t_update = time.perf_counter() - t1
 
-        out: dict[str, float] = {}
-        for name in step_metrics[0]:
-            values = [m[name] for m in step_metrics]
-            if name in SUMMED_STEP_METRICS:
-                out[name] = float(np.sum(values))
-            else:
-                out[name] = float(np.max(values)) if name in MAX_STEP_METRICS else float(np.mean(values))
-        out["updates"] = float(len(step_metrics))
         longest = self.consecutive_skips
         for m in step_metrics:
             self.consecutive_skips = self.consecutive_skips + 1 if m["skipped"] else 0
             longest = max(longest, self.consecutive_skips)
+        timings = IterationTimings(rollout_seconds=t_rollout, update_seconds=t_update,
+                                   iteration_seconds=time.perf_counter() - t0)
+        out = iteration_metrics(result, step_metrics, num_episodes=cfg.rollout.num_episodes,
+                                advantages=advantages[:n], row_lengths=row_lengths,
+                                consecutive_skips_max=longest, timings=timings,
+                                split_private=env_class(cfg.env.name).split_private)
         self.skipped_updates += int(out["skipped"])
-        out["consecutive_skips_max"] = float(longest)
-        train_metrics = compute_metrics(result, num_episodes=cfg.rollout.num_episodes)
-        curves = train_metrics["curves"]
-        for k in range(cfg.rollout.num_episodes):
-            out[episode_key("success", k)] = curves["success"][k]
-            out[episode_key("payoff", k)] = curves["payoff"][k]
-        for opponent, split in train_metrics["by_opponent"].items():
-            out[f"payoff@last/{opponent}"] = split["curves"]["payoff"][-1]
-        out.update(decision_stats(result.rows, cfg.rollout.num_episodes,
-                                  env_class(cfg.env.name).split_private).metrics())
-        out["valid_action_ratio"] = train_metrics["valid_action_ratio"] or 0.0
-        out["rows_per_meta_episode"] = train_metrics["rows_per_meta_episode"]
-        episode_rewards = [r for o in result.outcomes for r in o.rewards]
-        out["reward_mean"] = float(np.mean(episode_rewards))
-        out["reward_min"] = float(np.min(episode_rewards))
-        out["reward_max"] = float(np.max(episode_rewards))
-        out["advantage_abs_mean"] = float(np.abs(advantages[:n]).mean()) if n else 0.0
-        for name in ROLLOUT_STATS:
-            if name in result.stats:
-                out[name] = float(result.stats[name])
-        out["row_tokens_max"] = float(row_lengths.max()) if n else 0.0
-        out["row_tokens_mean"] = float(row_lengths.mean()) if n else 0.0
-        out["rollout_seconds"] = t_rollout
-        out["update_seconds"] = t_update
-        out["iteration_seconds"] = time.perf_counter() - t0
-        out["rows_per_second"] = n / max(out["iteration_seconds"], 1e-9)
-        out["success@last"] = curves["success"][-1]
-        out["payoff@last"] = curves["payoff"][-1]
         return out
 
     def _reference_logprobs(self, batch: TrainBatch) -> jax.Array:

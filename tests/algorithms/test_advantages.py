@@ -142,8 +142,12 @@ def test_grpo_and_rloo_subtract_penalties_from_the_meta_episode_score():
     rows = rows.replace(invalid=rows.invalid.at[7].set(True))  # meta-episode 2 scores -5 - 0.5
     scores = [10.0, 10.0, -5.5]
     mean, std = sum(scores) / 3, statistics.stdev(scores)
-    close(compute_advantages("grpo", rows), broadcast([(v - mean) / (std + EPS) for v in scores] + [0.0]))
-    close(compute_advantages("rloo", rows), broadcast([10 - 2.25, 10 - 2.25, -5.5 - 10, 0.0]))
+    cfg = AdvantageConfig(invalid_penalty=0.5)
+    expected = [(v - mean) / (std + EPS) for v in scores] + [0.0]
+    close(compute_advantages("grpo", rows, cfg), broadcast(expected))
+    close(compute_advantages("rloo", rows, cfg), broadcast([10 - 2.25, 10 - 2.25, -5.5 - 10, 0.0]))
+    assert compute_advantages("rloo", rows)[7] == compute_advantages("rloo", grpo_group())[7], \
+        "the estimators apply no penalty unless given one"
 
 
 def test_rloo_uses_the_mean_of_the_other_meta_episodes():

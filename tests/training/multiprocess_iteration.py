@@ -21,7 +21,12 @@ import numpy as np  # noqa: E402
 
 from experiments.kuhn_poker import SPEC  # noqa: E402
 from mage_jax.evaluation.evaluator import Evaluator  # noqa: E402
-from mage_jax.training.assemble import build_parts  # noqa: E402
+from mage_jax.training.assemble import (  # noqa: E402
+    build_parts,
+    make_best_checkpointer,
+    make_checkpointer,
+    make_logger,
+)
 from mage_jax.training.trainer import Trainer  # noqa: E402
 
 OVERRIDES = {
@@ -36,7 +41,10 @@ OVERRIDES = {
 def main(run_dir: str) -> None:
     cfg = SPEC.config("tiny", {**OVERRIDES, "logging.run_dir": run_dir})
     parts = build_parts(cfg, run_dir)
-    trainer = Trainer(parts, Evaluator(parts, SPEC.protocol(cfg), progress=False))
+    trainer = Trainer(parts, Evaluator(parts, SPEC.protocol(cfg), progress=False),
+                      logger=make_logger(cfg, run_dir, resume=False),
+                      checkpointer=make_checkpointer(cfg, run_dir),
+                      best_checkpointer=make_best_checkpointer(cfg, run_dir))
     metrics = trainer.train_iteration(1)
     trainer.logger.log(1, metrics, split="train")
     trainer.logger.close()

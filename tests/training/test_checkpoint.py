@@ -86,6 +86,22 @@ def test_logger_writes_plain_json_and_truncates_on_resume(tmp_path):
         assert all(json.loads(line) for line in f)
 
 
+def test_a_logger_kept_open_for_a_resume_is_rewound_to_the_checkpoint(tmp_path):
+    """The trainer opens its logger before it knows where its checkpoint is (``keep_existing``), then
+    rewinds it: records after the checkpoint go, and those of the final evaluation too when it reruns."""
+    with MetricsLogger(str(tmp_path)) as log:
+        for i in (1, 2, 3):
+            log.log(i, {"loss": float(i)})
+        log.log(2, {"success@0": 0.5}, split="eval")
+    with MetricsLogger(str(tmp_path), keep_existing=True) as log:
+        assert len(read_jsonl(str(tmp_path))) == 4  # nothing is dropped before the rewind
+        log.rewind(2, keep_evaluations=False)
+        log.log(3, {"loss": 30.0})
+    assert [(r["split"], r["iteration"]) for r in read_jsonl(str(tmp_path))] == [
+        ("train", 1), ("train", 2), ("train", 3)]
+    assert read_jsonl(str(tmp_path))[-1]["loss"] == 30.0
+
+
 # -- integrity: a damaged newest step falls back to the newest intact one ------------------------------
 
 

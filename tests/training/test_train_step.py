@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.constraints import automaton_from_completions
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
@@ -20,7 +21,6 @@ from mage_jax.training.train_step import (
     TrainStep,
     gather_rows,
     global_norm,
-    learning_rate_schedule,
 )
 
 V, R, T = 24, 4, 12
@@ -246,17 +246,6 @@ def test_train_batches_hold_every_real_row_once_and_mask_the_padding():
     gathered = np.asarray(gather_rows(table, blocks[-1], 3))
     np.testing.assert_array_equal(gathered[:2], np.asarray(table)[blocks[-1][:2], :3])
     assert (gathered[2:] == 0).all()
-
-
-def test_lr_decay_runs_from_one_to_the_end_fraction():
-    from mage_jax.training.train_step import lr_decay
-
-    assert lr_decay("constant", 0.7) == 1.0
-    assert lr_decay("linear", 0.0) == 1.0 and lr_decay("linear", 1.0, 0.1) == pytest.approx(0.1)
-    assert lr_decay("cosine", 0.5) == pytest.approx(0.5)
-    assert lr_decay("cosine", 1.0, 0.05) == pytest.approx(0.05)
-    with pytest.raises(ValueError, match="unknown learning-rate decay"):
-        lr_decay("step", 0.5)
 
 
 def test_the_entropy_bonus_is_subtracted_from_the_loss(model, step):

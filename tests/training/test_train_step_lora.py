@@ -13,11 +13,12 @@ import optax
 import pytest
 from flax import nnx
 
+from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.models import lora
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer
-from mage_jax.training.train_step import StepConfig, TrainBatch, TrainStep, learning_rate_schedule
+from mage_jax.training.train_step import StepConfig, TrainBatch, TrainStep
 from tests.training.test_train_step import V, batch
 
 BASE = ModelConfig.preset("tiny", vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=2,

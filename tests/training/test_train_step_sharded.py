@@ -12,13 +12,8 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from mage_jax.models import sharding as shd
     from mage_jax.models.config import ModelConfig
-    from mage_jax.training.train_step import (
-        StepConfig,
-        TrainBatch,
-        TrainStep,
-        learning_rate_schedule,
-        make_optimizer,
-    )
+    from mage_jax.algorithms.schedules import learning_rate_schedule
+    from mage_jax.training.train_step import StepConfig, TrainBatch, TrainStep, make_optimizer
 
     assert len(jax.devices()) == 8
     cfg = ModelConfig.preset("tiny", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
