@@ -274,10 +274,10 @@ def plan_rollout(setup: Setup, shape: tuple[int, int, int] | None = None) -> Any
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from mage_jax.sampling import _Static
 
     from mage_jax.models.sharding import cache_sharding
     from mage_jax.models.transformer import init_cache
-    from mage_jax.sampling import _Static
 
     rows, prompt, new_tokens = shape or rollout_shape(setup)
     s = setup.cfg.sampling.train

@@ -47,7 +47,6 @@ from typing import Any
 import numpy as np
 
 from mage_jax.algorithms.advantages import ANCHOR_MODES
-from mage_jax.constraints import WordSequence
 from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 from mage_jax.envs.base import StepResult, TextEnv, make_env
 from mage_jax.envs.parsing import extract_reflection
@@ -59,6 +58,7 @@ from mage_jax.envs.prompts import (
     render_play_prompt,
     render_reflect_prompt,
 )
+from mage_jax.generate.constraints import WordSequence
 from mage_jax.rollout.policy import Generation, GenerationRequest, Policy, PolicyStream
 from mage_jax.rollout.rows import Row
 from mage_jax.rollout.tasks import Task

@@ -17,8 +17,12 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import numpy as np
 
-from mage_jax.constraints import WordSequence, automaton_from_completions, automaton_from_word_sequence
-from mage_jax.rollout.engine import EngineRequest
+from mage_jax.generate.constraints import (
+    WordSequence,
+    automaton_from_completions,
+    automaton_from_word_sequence,
+)
+from mage_jax.generate.engine import EngineRequest
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from mage_jax.constraints import WordSequence
 from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, TextEnv, register_env
+from mage_jax.generate.constraints import WordSequence
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
 from mage_jax.rollout.policy import ScriptedPolicy
 from mage_jax.rollout.tasks import Task, TaskSampler, TaskSamplerConfig

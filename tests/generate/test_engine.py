@@ -1,4 +1,4 @@
-"""Specification of the rollout engine (mage_jax.rollout.engine, mage_jax.slot_sampler): continuous
+"""Specification of the rollout engine (mage_jax.generate.engine, generate.slots): continuous
 batching changes how generations are scheduled, never what a meta-episode sees. With greedy decoding the
 engine gives the lockstep path's tokens, rows, row order, outcomes and metrics on every built-in
 environment; identical prompts are prefilled once; nothing recompiles once warm."""
@@ -22,14 +22,15 @@ from flax import nnx
 
 from experiments.environments import ENVIRONMENTS, environment
 from mage_jax import config as C
-from mage_jax.constraints import automaton_from_completions, automaton_from_word_sequence
 from mage_jax.envs.alfworld import write_tiny_alfred_game
+from mage_jax.generate.constraints import automaton_from_completions, automaton_from_word_sequence
+from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import SamplingParams
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.sharding import param_shardings
 from mage_jax.models.transformer import Transformer
-from mage_jax.rollout.engine import EngineRequest, RolloutEngine, generate_all
 from mage_jax.rollout.policy import LLMPolicy
-from mage_jax.sampling import Sampler, SamplingParams
 from mage_jax.tokenizer import Tokenizer
 from mage_jax.training.assemble import (
     build_model,
@@ -291,8 +292,9 @@ _SHARDED = textwrap.dedent(
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.sharding import MeshConfig, make_mesh, shard_state
     from mage_jax.models.transformer import Transformer
-    from mage_jax.rollout.engine import EngineRequest, RolloutEngine, generate_all
-    from mage_jax.sampling import Sampler, SamplingParams
+    from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
+    from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import SamplingParams
 
     config = ModelConfig.preset("tiny", vocab_size=64, num_layers=2, hidden_size=64, intermediate_size=128)
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))

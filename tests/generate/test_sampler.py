@@ -1,5 +1,6 @@
-"""Specification of mage_jax.sampling: jitted generation that matches the training forward and Hugging
-Face greedy decoding, compiles once per bucket, honours limits, and obeys token automata."""
+"""Specification of mage_jax.generate.sampler (and the token choice of generate.step): jitted generation
+that matches the training forward and Hugging Face greedy decoding, compiles once per bucket, honours
+limits, and obeys token automata."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mage_jax.constraints import TokenAutomaton, automaton_from_completions, constraint_masks, stack_automata
+from mage_jax.generate.constraints import (
+    TokenAutomaton,
+    automaton_from_completions,
+    constraint_masks,
+    stack_automata,
+)
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import SamplingParams, choose_tokens, sample_categorical
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer, positions_from_mask
-from mage_jax.sampling import (
-    Sampler,
-    SamplingParams,
-    choose_tokens,
-    sample_categorical,
-)
 from tests.tiny_models import build_random_causal_lm
 
 VOCAB, EOS, PAD = 64, 3, 0
@@ -318,7 +320,8 @@ from flax import nnx
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.sharding import MeshConfig, make_mesh
 from mage_jax.models.transformer import Transformer
-from mage_jax.sampling import Sampler, SamplingParams
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import SamplingParams
 config = ModelConfig.preset("tiny", vocab_size=64, num_layers=1, hidden_size=64, intermediate_size=128)
 graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
 prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
