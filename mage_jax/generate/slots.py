@@ -213,7 +213,7 @@ class SlotSampler:
         lengths = [len(p) for p in prompts]
         if u and (max(lengths) > sampler.prompt_buckets[-1] or min(lengths) == 0):
             raise ValueError(f"prompts must have 1..{sampler.prompt_buckets[-1]} tokens")
-        p_bucket = self.promptshapes.bucket(prompts, donors)
+        p_bucket = self.prompt_bucket(prompts, donors)
         t_bucket = shapes.bucket(t, self.row_buckets)
         u_bucket = min(shapes.bucket(u, self.row_buckets), t_bucket)
         u_bucket = max(u_bucket, 1)
