@@ -209,11 +209,7 @@ class Sampler:
             transitions = stack_automata(
                 list(automata) + [None] * (batch - n), self.vocab_size, num_states=pow2(states)
             )
-        program = Program(Choice.of(params, self.vocab_size), constrained=transitions is not None)
-        fn = self._compiled.get(program)
-        if fn is None:
-            fn = self._build(program)
-            self._compiled[program] = fn
+        fn = self._program(Program(Choice.of(params, self.vocab_size), constrained=transitions is not None))
         cache = self._init_cache(batch, prompt_bucket + params.max_new_tokens)
         temperature, top_p = runtime_values(params)
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
@@ -230,6 +226,31 @@ class Sampler:
         toks = [out_tokens[r, : lengths[r]].copy() for r in range(n)]
         lps = [out_logps[r, : lengths[r]].copy() for r in range(n)]
         return toks, lps, finished[:n].copy(), batch
+
+    def _program(self, program: Program) -> Callable:
+        fn = self._compiled.get(program)
+        if fn is None:
+            fn = self._compiled[program] = self._build(program)
+        return fn
+
+    def lower(self, state: Any, params: SamplingParams, *, rows: int, prompt_len: int) -> jax.stages.Lowered:
+        """The lockstep program of ``rows`` unconstrained prompts of ``prompt_len`` tokens and
+        ``params.max_new_tokens`` new ones, lowered ahead of time for ``state`` (arrays or
+        ``ShapeDtypeStruct`` leaves with their shardings) with its KV cache; nothing is allocated."""
+        from mage_jax.models.transformer import init_cache
+
+        cache = jax.eval_shape(lambda: init_cache(self.config, rows, prompt_len + params.max_new_tokens,
+                                                  self.cache_dtype))
+        if self.mesh is not None:
+            from mage_jax.models.sharding import cache_sharding
+
+            sharding = cache_sharding(self.config, self.mesh, rows)
+            cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), cache)
+        batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=self._row_sharding(rows)) for shape, dtype in
+                 (((rows, prompt_len), jnp.int32), ((rows, prompt_len), jnp.bool_), ((rows,), jnp.int32))]
+        fn = self._program(Program(Choice.of(params, self.vocab_size), constrained=False))
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            return fn.lower(state, cache, *batch, None, jax.random.key(0), *runtime_values(params))
 
     def _init_cache(self, batch: int, max_len: int):
         """A zero cache (mesh: cache sharding), donated to the jitted loop and written in place."""
@@ -257,22 +278,21 @@ class Sampler:
             self.state_shardings = param_shardings(state, self.mesh)
         return jax.device_put(state, self.state_shardings)
 
-    def _place_batch(self, *arrays):
-        """Rows over the mesh's batch axes (replicated when the bucket does not divide them)."""
+    def _row_sharding(self, rows: int) -> Any:
+        """Rows over the mesh's batch axes (replicated when ``rows`` does not divide them); None: no mesh."""
         if self.mesh is None:
-            return arrays
+            return None
         from mage_jax.models.sharding import batch_sharding, replicated
 
         rows_sharding = batch_sharding(self.mesh)
         divisor = math.prod(self.mesh.shape[a] for a in rows_sharding.spec[0])
-        placed = []
-        for a in arrays:
-            if a is None:
-                placed.append(None)
-                continue
-            sharding = rows_sharding if a.shape[0] % divisor == 0 else replicated(self.mesh)
-            placed.append(jax.device_put(a, sharding))
-        return placed
+        return rows_sharding if rows % divisor == 0 else replicated(self.mesh)
+
+    def _place_batch(self, *arrays):
+        """Every array placed with ``_row_sharding`` of its rows (None stays None)."""
+        if self.mesh is None:
+            return arrays
+        return [None if a is None else jax.device_put(a, self._row_sharding(a.shape[0])) for a in arrays]
 
     def _build(self, program: Program) -> Callable:
         graphdef = self.graphdef
@@ -344,5 +364,5 @@ class Sampler:
             )
             return out_tokens, out_logps, lengths, finished
 
-        call.lower = jitted.lower  # ahead-of-time compilation (memory analysis of a preset)
+        call.lower = jitted.lower  # ahead-of-time lowering: ``lower``
         return call

@@ -21,8 +21,8 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 def pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (1 for n <= 1)."""
-    return 1 << max(0, (n - 1).bit_length())
+    """The smallest power of two >= ``n`` (``n`` >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 def pow2_buckets(limit: int) -> tuple[int, ...]:

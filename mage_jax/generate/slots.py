@@ -176,6 +176,15 @@ class SlotSampler:
             prompt_hidden=jnp.zeros((s, sampler.config.hidden_size), sampler.config.jnp_dtype),
         )
 
+    def abstract_slots(self, num_states: int = 1) -> Slots:
+        """The shapes, dtypes and shardings of ``empty(num_states)`` without allocating them."""
+        shapes_ = jax.eval_shape(lambda: self._zeros(num_states))
+        shardings = self._shardings(num_states)
+        if shardings is None:
+            return shapes_
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes_,
+                            shardings)
+
     def empty(self, num_states: int = 1) -> Slots:
         """``S`` free slots (every slot done), sharded over the mesh's batch axes with the rows."""
         fn = self._empty.get(num_states)
@@ -218,7 +227,7 @@ class SlotSampler:
         u_bucket = min(shapes.bucket(u, self.row_buckets), t_bucket)
         u_bucket = max(u_bucket, 1)
         tokens, valid = shapes.left_padded(prompts, u_bucket, p_bucket, pad_id=sampler.pad_id,
-                                    vocab_size=sampler.vocab_size)
+                                           vocab_size=sampler.vocab_size)
         valid[u:, -1] = True  # dummy prompts: one real token, so their (discarded) prefill stays finite
         src = np.zeros(t_bucket, np.int32)
         donor = np.full(t_bucket, -1, np.int32)  # -1: from the prefill
@@ -238,14 +247,30 @@ class SlotSampler:
         table[:t] = transitions
         paths = np.zeros((t_bucket, KEY_PATH_LEN), np.int32)
         paths[:t] = key_paths
-        static = Choice.of(params, sampler.vocab_size)
+        temperature, top_p = runtime_values(params)
+        with self._mesh_context():
+            return self._insert_program(params)(state, slots, tokens, valid, src, donor, base, lens, dst, lim,
+                                                table, paths, key, temperature, top_p)
+
+    def _insert_program(self, params: SamplingParams) -> Callable:
+        static = Choice.of(params, self.sampler.vocab_size)
         fn = self._inserts.get(static)
         if fn is None:
             fn = self._inserts[static] = self._build_insert(static)
-        temperature, top_p = runtime_values(params)
+        return fn
+
+    def lower_insert(self, state: Any, params: SamplingParams, *, prompts: int, targets: int,
+                     prompt_len: int, num_states: int = 1) -> jax.stages.Lowered:
+        """The insert program of ``prompts`` distinct prompts of ``prompt_len`` tokens into ``targets``
+        slots (row buckets), lowered ahead of time for ``state`` (arrays or ``ShapeDtypeStruct`` leaves
+        with their shardings); nothing is allocated."""
+        i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        args = (state, self.abstract_slots(num_states), i32((prompts, prompt_len)),
+                jax.ShapeDtypeStruct((prompts, prompt_len), jnp.bool_), *(i32((targets,)) for _ in range(6)),
+                i32((targets, num_states, self.sampler.vocab_size)), i32((targets, KEY_PATH_LEN)),
+                jax.random.key(0), *runtime_values(params))
         with self._mesh_context():
-            return fn(state, slots, tokens, valid, src, donor, base, lens, dst, lim, table, paths, key,
-                      temperature, top_p)
+            return self._insert_program(params).lower(*args)
 
     def prompt_bucket(self, prompts: Sequence[Sequence[int]], donors: Sequence[Donor | None]) -> int:
         """The prompt bucket of an insert: it holds the longest prompt and every donor's bucket."""
@@ -407,6 +432,11 @@ class SlotSampler:
         ``bucket``: decode the first ``bucket`` slots of every device's block only (a ``slot_buckets``
         entry; ``ways * bucket`` rows computed per step); every active slot must lie among them.
         None: every slot."""
+        temperature, top_p = runtime_values(params)
+        with self._mesh_context():
+            return self._decode_program(params, window, bucket)(state, slots, key, temperature, top_p)
+
+    def _decode_program(self, params: SamplingParams, window: int | None, bucket: int | None) -> Callable:
         static = Choice.of(params, self.sampler.vocab_size)
         window = self.max_len if window is None else int(window)
         bucket = self.local_slots if bucket is None else int(bucket)
@@ -415,9 +445,15 @@ class SlotSampler:
         fn = self._decodes.get((static, window, bucket))
         if fn is None:
             fn = self._decodes[static, window, bucket] = self._build_decode(static, window, bucket)
-        temperature, top_p = runtime_values(params)
+        return fn
+
+    def lower_decode(self, state: Any, params: SamplingParams, *, window: int | None = None,
+                     bucket: int | None = None, num_states: int = 1) -> jax.stages.Lowered:
+        """The decode program of one chunk (``window`` / ``bucket`` as in ``decode``; None: the whole cache,
+        every slot), lowered ahead of time for ``state`` like ``lower_insert``."""
         with self._mesh_context():
-            return fn(state, slots, key, temperature, top_p)
+            return self._decode_program(params, window, bucket).lower(
+                state, self.abstract_slots(num_states), jax.random.key(0), *runtime_values(params))
 
     def _build_decode(self, static: Choice, window: int, bucket: int) -> Callable:
         sampler = self.sampler
