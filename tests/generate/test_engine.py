@@ -294,7 +294,7 @@ _SHARDED = textwrap.dedent(
     from mage_jax.models.transformer import Transformer
     from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
     from mage_jax.generate.sampler import Sampler
-from mage_jax.generate.step import SamplingParams
+    from mage_jax.generate.step import SamplingParams
 
     config = ModelConfig.preset("tiny", vocab_size=64, num_layers=2, hidden_size=64, intermediate_size=128)
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
