@@ -4,15 +4,20 @@
         [--mesh data=1,fsdp=8,tensor=1] [--hardware h100-80gb] [--hardware tpu-v5p] [--json]
 
 builds the preset's programs exactly as the trainer builds them (``training.assemble``: mesh, model
-config, train step, sampler) with *abstract* parameters (no weights, nothing allocated), lowers and
-compiles them ahead of time on fake CPU devices, and reads XLA's per-device memory analysis:
+config, train step, sampler, rollout engine) with *abstract* parameters (no weights, nothing
+allocated), lowers them with ``mage_jax.aot`` and compiles them ahead of time on fake CPU devices, and
+reads XLA's per-device memory analysis:
 
 * ``train_grads``: the loss-and-gradient program of one mini-batch (``optim.mini_batch_rows`` rows at
   the longest row bucket, its micro-batches, the reference log-probs when the KL term is on);
 * ``train_apply``: the optimizer step (AdamW on the float32 gradients, the non-finite skip);
 * ``logprobs``: the old / reference log-prob recompute of one mini-batch;
-* ``rollout``: the sampler's prefill + decode loop for its largest row bucket with the longest
-  prompt bucket and the longest response (``plan_rollout``), KV cache included.
+* ``insert`` and ``decode``: the rollout engine's programs at the preset's slots (``rollout.engine_slots``
+  or ``training.assemble.make_engine``'s default): ``insert`` prefills every slot from its own prompt of
+  the longest prompt bucket, ``decode`` runs one chunk of every slot over the whole cache; the slots'
+  KV cache (largest prompt bucket + longest response per slot) is an argument of both;
+* ``lockstep`` instead of those two with ``rollout.engine=lockstep``: the lockstep sampler's prefill +
+  decode loop for its largest row bucket with the longest prompt bucket and the longest response.
 
 Between programs the run keeps its *resident state* on the devices: parameters, AdamW moments and,
 with the KL term, the frozen reference parameters. A program needs the resident state plus what it
@@ -26,10 +31,10 @@ steps of depth are not XLA's linear regime (its memory schedule moves by a block
 to the next), so the slope is taken over three blocks; on Kuhn Poker ``small`` the plan then equals a
 full 28-layer compile for every program (docs/scaling.md). XLA:CPU computes bfloat16 products in float32
 and has no flash-attention kernel, so the numbers are an upper bound of what a GPU or TPU compile
-reports. FLOPs are XLA's cost analysis per device; a ``while`` loop body (the sampler's decode step) is
-counted once. A from-scratch model (``tiny``) is planned with a 256-token vocabulary (its word-level
-tokenizer is built at run time); the rollout is planned without constrained decoding (its automaton
-tables are small).
+reports. FLOPs are XLA's cost analysis per device; a ``while`` loop body (a decode step) is counted
+once. A from-scratch model (``tiny``) is planned with a 256-token vocabulary (its word-level
+tokenizer is built at run time); the rollout is planned with one automaton state per slot (constrained
+decoding's tables are small).
 
 JSON keys (``--json``), all bytes per device:
   env, preset, layers_compiled, full_depth, model (name, params: parameter count, param_dtype, dtype,
@@ -37,7 +42,8 @@ JSON keys (``--json``), all bytes per device:
   plans: one per device count, each with devices, mesh {data, fsdp, tensor},
     state {params, opt_state, ref_params, start_copy, total}: the resident state,
     kv_cache: the rollout's KV cache,
-    programs {train_grads, train_apply, logprobs, rollout}: each {rows, length, prompt, new_tokens,
+    programs {train_grads, train_apply, logprobs, insert, decode (or lockstep)}: each {rows, length,
+      prompt, new_tokens,
       argument, output, alias, temp, peak (= argument + output - alias + temp), state_arguments,
       extra (= peak - state_arguments), need (= state.total + extra), flops},
     peak: the largest need, largest: the program that needs it;
@@ -105,7 +111,16 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     Hardware("tpu-v6e", 32 * 2**30, 8, 918e12),
 )}
 
-PROGRAMS = ("train_grads", "train_apply", "logprobs", "rollout")
+PROGRAMS = ("train_grads", "train_apply", "logprobs", "insert", "decode")
+"""The programs of a run with the rollout engine (the default)."""
+LOCKSTEP_PROGRAMS = ("train_grads", "train_apply", "logprobs", "lockstep")
+"""The programs of a run with ``rollout.engine=lockstep``."""
+ROLLOUT_PROGRAMS = ("insert", "decode", "lockstep")
+
+
+def programs_of(cfg: C.ExperimentConfig) -> tuple[str, ...]:
+    """The programs ``cfg``'s run executes."""
+    return LOCKSTEP_PROGRAMS if cfg.rollout.engine == "lockstep" else PROGRAMS
 
 # XLA:CPU's default schedule favours concurrency over memory: it runs rematerialised forward passes
 # of every layer early and keeps all their activations alive, which the GPU and TPU schedulers never
@@ -130,7 +145,7 @@ def force_cpu_devices(count: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """A config's run pieces with abstract parameters: model config, mesh, train step, sampler."""
+    """A config's run pieces with abstract parameters: model config, mesh, train step, sampler, engine."""
 
     cfg: C.ExperimentConfig
     model_config: Any
@@ -141,6 +156,8 @@ class Setup:
     opt_state: Any
     step: Any
     sampler: Any
+    engine: Any
+    """The rollout engine (None with ``rollout.engine=lockstep``)."""
 
     def state_shardings(self) -> Any:
         from mage_jax.training.train_step import TrainState
@@ -165,7 +182,7 @@ def base_model_config(cfg: C.ExperimentConfig, model_path: str | None = None) ->
 def make_setup(cfg: C.ExperimentConfig, devices: int, *, num_layers: int | None = None,
                model_path: str | None = None, vocab_size: int = 0) -> Setup:
     """``cfg``'s mesh over the first ``devices`` devices, its model at ``num_layers`` layers (all when
-    None) with abstract parameters, its train step and its sampler (``training.assemble``)."""
+    None) with abstract parameters, its train step, sampler and engine (``training.assemble``)."""
     import jax
 
     from mage_jax.models import sharding as shd
@@ -184,123 +201,71 @@ def make_setup(cfg: C.ExperimentConfig, devices: int, *, num_layers: int | None 
                              opt_shardings)
     shardings = jax.tree.map(lambda a: a.sharding, params)
     sampler = assemble.make_sampler(cfg, mesh, model_config, graphdef, shardings, eos_ids=[1], pad_id=0)
-    return Setup(cfg, model_config, mesh, graphdef, params, opt_state, step, sampler)
-
-
-def _rows(setup: Setup, shape: Sequence[int], dtype: Any) -> Any:
-    """An abstract array placed as ``TrainStep.place_batch`` / the sampler place it: rows over the batch
-    axes when they divide them, else replicated."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from mage_jax.models.sharding import BATCH_AXES
-
-    ways = setup.mesh.shape["data"] * setup.mesh.shape["fsdp"]
-    lead = BATCH_AXES if shape[0] % ways == 0 else None
-    spec = PartitionSpec(lead, *([None] * (len(shape) - 1)))
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(setup.mesh, spec))
-
-
-def train_batch(setup: Setup, rows: int, length: int, *, update: bool) -> Any:
-    """An abstract ``TrainBatch`` of ``rows`` x ``length`` (``update``: with advantages and old /
-    reference log-probs, as ``update`` receives it; else as ``compute_logprobs`` does)."""
-    import jax.numpy as jnp
-
-    from mage_jax.training.train_step import TrainBatch
-
-    fields = {name: _rows(setup, (rows, length), dtype) for name, dtype in (
-        ("tokens", jnp.int32), ("positions", jnp.int32), ("token_mask", jnp.bool_), ("targets", jnp.int32),
-        ("response_mask", jnp.bool_))}
-    fields["prompt_lengths"] = _rows(setup, (rows,), jnp.int32)
-    if update:
-        fields["advantages"] = _rows(setup, (rows,), jnp.float32)
-        fields["old_logprobs"] = _rows(setup, (rows, length), jnp.float32)
-        if setup.step.config.kl_coef > 0:
-            fields["ref_logprobs"] = _rows(setup, (rows, length), jnp.float32)
-    return TrainBatch(**fields)
+    engine = assemble.make_engine(cfg, sampler, mesh)
+    return Setup(cfg, model_config, mesh, graphdef, params, opt_state, step, sampler, engine)
 
 
 def compile_train_grads(setup: Setup, rows: int, length: int) -> Any:
     """The train step's loss-and-gradient program, as ``TrainStep.update`` runs it."""
-    import jax
+    from mage_jax import aot
 
-    grads, _ = setup.step.update_programs(setup.state_shardings())
-    with jax.set_mesh(setup.mesh):
-        return grads.lower(setup.params, train_batch(setup, rows, length, update=True)).compile()
+    return aot.lower_train_grads(setup.step, setup.params, setup.opt_state, rows, length).compile()
 
 
 def compile_train_apply(setup: Setup) -> Any:
     """The optimizer step (state donated), as ``TrainStep.update`` runs it."""
-    import jax
-    import jax.numpy as jnp
+    from mage_jax import aot
 
-    from mage_jax.training.train_step import TrainState
-
-    grads_program, apply = setup.step.update_programs(setup.state_shardings())
-    state = TrainState(setup.params, setup.opt_state,
-                       jax.ShapeDtypeStruct((), jnp.int32, sharding=setup.step._replicated))
-    batch = train_batch(setup, setup.cfg.optim.mini_batch_rows, 8, update=True)
-    with jax.set_mesh(setup.mesh):
-        grads, metrics = jax.eval_shape(grads_program, setup.params, batch)
-    trainable = setup.step.trainable(setup.params)[0]  # every parameter, or the LoRA adapters only
-    grads = jax.tree.map(lambda g, p: jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=p.sharding), grads,
-                         trainable)
-    metrics = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=setup.step._replicated),
-                           metrics)
-    return apply.lower(state, grads, metrics, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+    return aot.lower_train_apply(setup.step, setup.params, setup.opt_state,
+                                 setup.cfg.optim.mini_batch_rows).compile()
 
 
 def compile_logprobs(setup: Setup, rows: int, length: int) -> Any:
     """The old / reference log-prob recompute, as ``TrainStep.compute_logprobs`` runs it."""
-    import jax
+    from mage_jax import aot
 
-    with jax.set_mesh(setup.mesh):
-        return setup.step.logprobs_program().lower(
-            setup.params, train_batch(setup, rows, length, update=False), True).compile()
+    return aot.lower_logprobs(setup.step, setup.params, rows, length).compile()
 
 
 def rollout_shape(setup: Setup) -> tuple[int, int, int]:
-    """(rows, prompt tokens, new tokens) of the rollout's largest sampler call: the largest row bucket,
-    the longest prompt bucket, the longest response (play or reflection)."""
+    """(rows, prompt tokens, new tokens) of the rollout's programs: the engine's slots (lockstep: the
+    sampler's largest row bucket), the longest prompt bucket, the longest response (play or
+    reflection)."""
+    prompt = setup.sampler.prompt_buckets[-1]
+    if setup.engine is not None:
+        return setup.engine.num_slots, prompt, setup.engine.kernels.max_new_tokens
     r = setup.cfg.rollout
-    new_tokens = r.max_new_tokens
-    return setup.sampler.batch_buckets[-1], setup.sampler.prompt_buckets[-1], new_tokens
+    return setup.sampler.batch_buckets[-1], prompt, r.max_new_tokens
 
 
-def plan_rollout(setup: Setup, shape: tuple[int, int, int] | None = None) -> Any:
-    """The rollout's generation program: the current ``Sampler``'s jitted prefill + decode loop for its
-    largest call (``rollout_shape``, or ``shape`` = (rows, prompt, new tokens)), with training sampling
-    (temperature only) and the KV cache it allocates. The one place that knows how rollouts generate."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
+def rollout_sampling(setup: Setup) -> Any:
+    """The training sampling settings of the preset (the programs of evaluation sampling are the same
+    shapes)."""
+    from mage_jax.generate.step import SamplingParams
 
-    from mage_jax.models.sharding import cache_sharding
-    from mage_jax.models.transformer import init_cache
-    from mage_jax.sampling import _Static
-
-    rows, prompt, new_tokens = shape or rollout_shape(setup)
     s = setup.cfg.sampling.train
-    static = _Static(greedy=s.temperature <= 0, top_k=min(s.top_k, setup.model_config.vocab_size),
-                     use_top_p=s.top_p < 1.0, constrained=False)
-    program = setup.sampler._build(static)
-    sharding = cache_sharding(setup.model_config, setup.mesh, rows)
-    cache = jax.eval_shape(lambda: init_cache(setup.model_config, rows, prompt + new_tokens))
-    cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), cache)
-    args = (setup.params, cache, _rows(setup, (rows, prompt), jnp.int32),
-            _rows(setup, (rows, prompt), jnp.bool_), _rows(setup, (rows,), jnp.int32), None,
-            jax.random.key(0), np.float32(1.0), np.float32(1.0))
-    with jax.set_mesh(setup.mesh):
-        return program.lower(*args).compile()
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          max_new_tokens=rollout_shape(setup)[2])
+
+
+def compile_rollout(setup: Setup, name: str) -> Any:
+    """One of the rollout's generation programs (``aot.lower_rollout``): the engine's ``insert`` or
+    ``decode``, or ``lockstep``."""
+    from mage_jax import aot
+
+    lowered = aot.lower_rollout(setup.sampler, setup.engine, setup.params, rollout_sampling(setup))
+    return lowered[name].compile()
 
 
 def kv_cache_bytes(setup: Setup) -> int:
-    """Bytes per device of the rollout's KV cache."""
+    """Bytes per device of the rollout's KV cache (the engine's slots, or the lockstep call's)."""
     import jax
 
     from mage_jax.models.sharding import cache_sharding
     from mage_jax.models.transformer import init_cache
 
+    if setup.engine is not None:
+        return device_bytes(setup.engine.kernels.abstract_slots().cache)
     rows, prompt, new_tokens = rollout_shape(setup)
     cache = jax.eval_shape(lambda: init_cache(setup.model_config, rows, prompt + new_tokens))
     return device_bytes(cache, cache_sharding(setup.model_config, setup.mesh, rows))
@@ -374,7 +339,8 @@ def _measure(name: str, setup: Setup, depth: int, key: tuple, compile_fn: Any, l
 
 def plan_devices(cfg: C.ExperimentConfig, devices: int, *, layers: Sequence[int] = DEFAULT_LAYERS,
                  model_path: str | None = None, log: Any = None) -> dict[str, Any]:
-    """The plan of ``cfg`` on ``devices`` devices: resident state, KV cache and the four programs."""
+    """The plan of ``cfg`` on ``devices`` devices: resident state, KV cache and the run's programs
+    (``programs_of``)."""
     log = log or (lambda message: None)
     full = make_setup(cfg, devices, model_path=model_path)
     depth = full.model_config.num_layers
@@ -393,11 +359,14 @@ def plan_devices(cfg: C.ExperimentConfig, devices: int, *, layers: Sequence[int]
         "train_grads": {"rows": rows, "length": length},
         "train_apply": {"rows": 0, "length": 0},
         "logprobs": {"rows": rows, "length": length},
-        "rollout": {"rows": r_rows, "length": prompt + new_tokens, "prompt": prompt,
-                    "new_tokens": new_tokens},
     }
-    measured: dict[str, dict[int, dict[str, float]]] = {p: {} for p in PROGRAMS}
-    state_args: dict[str, dict[int, float]] = {p: {} for p in PROGRAMS}
+    names = programs_of(cfg)
+    for name in names:
+        if name in ROLLOUT_PROGRAMS:
+            shapes[name] = {"rows": r_rows, "length": prompt + new_tokens, "prompt": prompt,
+                            "new_tokens": new_tokens}
+    measured: dict[str, dict[int, dict[str, float]]] = {p: {} for p in names}
+    state_args: dict[str, dict[int, float]] = {p: {} for p in names}
     for n in depths:
         setup = make_setup(cfg, devices, num_layers=n, model_path=model_path)
         p_bytes = device_bytes(setup.params)
@@ -405,21 +374,23 @@ def plan_devices(cfg: C.ExperimentConfig, devices: int, *, layers: Sequence[int]
             "train_grads": functools.partial(compile_train_grads, setup, rows, length),
             "train_apply": functools.partial(compile_train_apply, setup),
             "logprobs": functools.partial(compile_logprobs, setup, rows, length),
-            "rollout": functools.partial(plan_rollout, setup),
+            **{name: functools.partial(compile_rollout, setup, name) for name in ROLLOUT_PROGRAMS},
         }
-        for name in PROGRAMS:
+        for name in names:
             key = tuple(sorted(shapes[name].items()))
+            if name in ROLLOUT_PROGRAMS:  # the engine's chunk and the sampling switches select programs too
+                key += (("chunk", cfg.rollout.engine_chunk), ("sampling", repr(rollout_sampling(setup))))
             measured[name][n] = _measure(name, setup, n, key, compilers[name], log)
             state_args[name][n] = p_bytes + (device_bytes(setup.opt_state) if name == "train_apply" else 0)
     programs = {}
-    for name in PROGRAMS:
+    for name in names:
         values = {n: {**measured[name][n], "state_arguments": state_args[name][n]} for n in depths}
         v = extrapolate((lo, values[lo]), (hi, values[hi]), depth)
         v = {k: int(round(x)) if k != "flops" else x for k, x in v.items()}
         v["extra"] = v["peak"] - v["state_arguments"]
         v["need"] = state["total"] + v["extra"]
         programs[name] = {"rows": 0, "length": 0, "prompt": 0, "new_tokens": 0, **shapes[name], **v}
-    largest = max(PROGRAMS, key=lambda p: programs[p]["need"])
+    largest = max(names, key=lambda p: programs[p]["need"])
     return {
         "devices": devices, "mesh": dict(full.mesh.shape), "state": state, "kv_cache": kv_cache_bytes(full),
         "programs": programs, "peak": programs[largest]["need"], "largest": largest,
@@ -456,8 +427,13 @@ def verdict(plan: Mapping[str, Any], hardware: Hardware, cfg: C.ExperimentConfig
         if state["total"] > 0.5 * usable:
             advice.append(f"resident state is {state['total'] / GB:.1f} GB per device: shard it over more "
                           "devices (mesh.fsdp) or train LoRA adapters instead of all parameters")
-        if largest == "rollout":
-            r = programs["rollout"]
+        if largest in ("insert", "decode"):
+            r = programs[largest]
+            advice.append(f"the rollout engine decodes {r['rows']} slots at once (KV cache "
+                          f"{plan['kv_cache'] / GB:.1f} GB): set rollout.engine_slots to "
+                          f"{max(r['rows'] // 2, 1)} or shorten rollout.max_response_tokens")
+        if largest == "lockstep":
+            r = programs[largest]
             advice.append(f"the rollout decodes {r['rows']} rows at once (KV cache "
                           f"{plan['kv_cache'] / GB:.1f} GB): set rollout.max_decode_rows to "
                           f"{max(r['rows'] // 2, 1)} or shorten rollout.max_response_tokens")
@@ -470,7 +446,7 @@ def verdict(plan: Mapping[str, Any], hardware: Hardware, cfg: C.ExperimentConfig
                               f"{max(micro // 2, 1)} (now {micro})")
             advice.append("shorten rows: rollout.max_prompt_tokens / rollout.max_response_tokens")
         advice.append(f"more devices (over by {over / GB:.1f} GB per device)")
-    seconds = {p: programs[p]["flops"] / hardware.bf16_flops for p in PROGRAMS}
+    seconds = {p: q["flops"] / hardware.bf16_flops for p, q in programs.items()}
     return {"hardware": hardware.name, "devices": plan["devices"], "hbm": hardware.hbm, "usable": usable,
             "peak": peak, "fits": fits, "headroom": usable - peak, "seconds_at_peak": seconds,
             "advice": advice}

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mage_jax", "experiments")
 ORCHESTRATION = (
     "mage_jax/config.py",
-    "mage_jax/constraints.py",
+    "mage_jax/generate/constraints.py",
     "mage_jax/progress.py",
     "mage_jax/training",
     "mage_jax/rollout",

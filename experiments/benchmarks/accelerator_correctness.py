@@ -164,7 +164,8 @@ def _our_greedy(graphdef: Any, config: Any, state: Any, tokens: np.ndarray, mask
                 vocab: int) -> list[list[int]]:
     """Greedy continuations by our sampler (prefill + cached decode)."""
 
-    from mage_jax.sampling import Sampler, SamplingParams
+    from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.step import SamplingParams
 
     prompts = [row[m].tolist() for row, m in zip(tokens, mask, strict=True)]
     sampler = Sampler(graphdef, config, eos_ids=[vocab - 1], pad_id=0, prompt_buckets=(tokens.shape[1],),
@@ -256,9 +257,9 @@ def engine_check(given: StageInput) -> dict[str, Any]:
     and through lockstep generation: every row's prompt and response tokens must be equal."""
 
     from experiments.environments import environment as experiment_environment
+    from mage_jax.generate.step import SamplingParams
     from mage_jax.models.sharding import param_shardings
     from mage_jax.rollout.policy import LLMPolicy
-    from mage_jax.sampling import SamplingParams
     from mage_jax.tokenizer import Tokenizer
     from mage_jax.training.assemble import (
         build_model,

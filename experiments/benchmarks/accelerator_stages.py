@@ -277,10 +277,11 @@ def decode(given: StageInput) -> dict[str, Any]:
     import torch
     import transformers
 
+    from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
+    from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.step import SamplingParams
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.hf_loading import load_hf_params
-    from mage_jax.rollout.engine import EngineRequest, RolloutEngine, generate_all
-    from mage_jax.sampling import Sampler, SamplingParams
 
     sizes = given.sizes
     shape = sizes.decode_model

@@ -43,9 +43,10 @@ def build_ours(folder: str, prompts: list[list[int]], dtype: str, eos: int, seed
     """A function ``new_tokens -> tokens generated`` running our sampler, and facts for the report."""
     import jax
 
+    from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.step import SamplingParams
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.hf_loading import load_hf_params
-    from mage_jax.sampling import Sampler, SamplingParams
 
     config = dataclasses.replace(ModelConfig.from_hf_dir(folder), param_dtype=dtype, dtype=dtype)
     config, graphdef, state = load_hf_params(folder, config)

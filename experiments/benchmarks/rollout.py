@@ -92,7 +92,7 @@ class Workload:
 
 
 def no_eos_automaton(vocab: int, eos: int):
-    from mage_jax.constraints import TokenAutomaton
+    from mage_jax.generate.constraints import TokenAutomaton
 
     table = np.zeros((1, vocab), np.int32)
     table[0, eos] = -1
@@ -122,7 +122,7 @@ def run_lockstep(sampler, state, work: Workload, turns: int, params, automaton, 
 
 
 def run_engine(engine, state, work: Workload, turns: int, params, automaton, key) -> dict[str, Any]:
-    from mage_jax.rollout.engine import EngineRequest
+    from mage_jax.generate.engine import EngineRequest
 
     responses: dict[tuple[int, int], np.ndarray] = {}
     start = time.perf_counter()
@@ -161,10 +161,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import jax
     from flax import nnx
 
+    from mage_jax.generate.engine import RolloutEngine
+    from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.step import SamplingParams
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.transformer import Transformer
-    from mage_jax.rollout.engine import RolloutEngine
-    from mage_jax.sampling import Sampler, SamplingParams
 
     compiles = [0]
 

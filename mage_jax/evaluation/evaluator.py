@@ -40,7 +40,6 @@ from mage_jax.progress import progress_bar
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutResult, RunnerConfig
 from mage_jax.rollout.policy import Policy, RandomLegalPolicy
 from mage_jax.rollout.rows import Row
-from mage_jax.rollout.stopping import StoppablePolicy
 from mage_jax.rollout.tasks import Task, TaskSampler
 
 KUHN_POKER = "kuhn_poker"
@@ -246,9 +245,7 @@ class Evaluator:
         for c_index, start in enumerate(range(0, len(tasks), chunk)):
             policy = self.parts.policy(params, jax.random.fold_in(split_key, offset + c_index),
                                        evaluation=True)
-            if stop is not None:
-                policy = StoppablePolicy(policy, stop)
-            result = runner.run(tasks[start:start + chunk], policy, training=False)
+            result = runner.run(tasks[start:start + chunk], policy, training=False, stop=stop)
             outcomes += result.outcomes
             rows += result.rows
             if c_index == 0:

@@ -1,4 +1,4 @@
-"""Rollout: task sampling, the lockstep meta-episode runner, row records and their packing."""
+"""Rollout: task sampling, the meta-episode runner and its policies, row records and their packing."""
 
 from mage_jax.rollout.meta_episode import MetaEpisodeOutcome, MetaEpisodeRunner, RolloutResult, RunnerConfig
 from mage_jax.rollout.policy import Generation, GenerationRequest, LLMPolicy, Policy, ScriptedPolicy

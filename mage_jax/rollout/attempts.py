@@ -11,6 +11,7 @@ meta-episode's restart keeps drawing from the opponent's stream.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -49,13 +50,14 @@ class IndependentAttemptsRunner:
         return IndependentAttemptsRunner(self.base.with_env_options(extra), self.config.num_episodes)
 
     def run(self, tasks: Sequence[Task], policy: Policy, *, training: bool = False,
-            progress: Callable[[int], None] | None = None) -> RolloutResult:
+            progress: Callable[[int], None] | None = None,
+            stop: threading.Event | None = None) -> RolloutResult:
         n, attempts = len(tasks), self.config.num_episodes
         copies = [
             dataclasses.replace(t, meta_episode=a * n + i, group=a * n + i)
             for a in range(attempts) for i, t in enumerate(tasks)
         ]
-        result = self.base.run(copies, policy, training=training, progress=progress)
+        result = self.base.run(copies, policy, training=training, progress=progress, stop=stop)
         by_id = {o.meta_episode: o for o in result.outcomes}
         outcomes, kept = [], set()
         for i, task in enumerate(tasks):

@@ -7,16 +7,22 @@ episode is left) writes one reflection. A won meta-episode stops: it neither ref
 Every LLM call becomes a ``Row``. Its prompts depend on its own history only, so how the calls of
 different meta-episodes are scheduled changes nothing they see:
 
-* lockstep (a policy without a stream): every turn renders the play prompts of all environments still
-  playing and makes *one* batched ``policy.generate`` call; after the play phase, one batched call for
-  all reflections (the schedule of docs/method.md §2);
-* continuous batching (``policy.open_stream()``, ``LLMPolicy`` with a ``rollout.engine.RolloutEngine``):
-  a meta-episode's next prompt is submitted as soon as its previous response is back and its environment
-  stepped, so no meta-episode waits for the slowest response of a turn. Rows come back in completion
-  order and are put back in the lockstep order (episode, play turns then reflection, turn, task), so
-  the training batch, the outcomes and the statistics are the lockstep path's (greedy decoding: the
-  same tokens; ``tests/rollout/test_engine.py``). Sampling keys derive from (meta-episode, episode,
-  phase/turn), not from the schedule.
+One driver (``_drive``) feeds the policy's stream (``policy.stream()``) under the stream's scheduling
+rule:
+
+* lockstep (``stream.lockstep``; a ``BatchStream``): the meta-episodes waiting on the earliest
+  (episode, phase, turn) are admitted together and answered by *one* batched call, and the next turn is
+  admitted once all are back: every turn renders the play prompts of all environments still playing,
+  and after the play phase one batched call serves all reflections (the schedule of docs/method.md §2);
+* continuous batching (``LLMPolicy`` with a ``generate.engine.RolloutEngine``): a meta-episode's next
+  prompt is submitted as soon as its previous response is back and its environment stepped, so no
+  meta-episode waits for the slowest response of a turn. Sampling keys derive from (meta-episode,
+  episode, phase/turn), not from the schedule.
+
+Rows come back in completion order and are put back in the lockstep order (episode, play turns then
+reflection, turn, task), so the training batch, the outcomes and the statistics do not depend on the
+rule (greedy decoding: the same tokens; ``tests/generate/test_engine.py``). With a ``stop`` event the
+rollout raises ``Interrupted`` at its next collect once the event is set (a safe point).
 
 Memory: after episode n the runner keeps an ``EpisodeRecord`` (moves, reward, won, reflection) and
 the play prompts of later episodes show the records per ``memory_mode`` (rendered by
@@ -40,6 +46,7 @@ Poker: chips, reward / 5; every other environment: scale 1, payoff = reward).
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
@@ -47,7 +54,6 @@ from typing import Any
 import numpy as np
 
 from mage_jax.algorithms.advantages import ANCHOR_MODES
-from mage_jax.constraints import WordSequence
 from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 from mage_jax.envs.base import StepResult, TextEnv, make_env
 from mage_jax.envs.parsing import extract_reflection
@@ -59,8 +65,10 @@ from mage_jax.envs.prompts import (
     render_play_prompt,
     render_reflect_prompt,
 )
+from mage_jax.generate.constraints import WordSequence
 from mage_jax.rollout.policy import Generation, GenerationRequest, Policy, PolicyStream
 from mage_jax.rollout.rows import Row
+from mage_jax.rollout.stopping import Interrupted
 from mage_jax.rollout.tasks import Task
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
@@ -243,9 +251,11 @@ class MetaEpisodeRunner:
 
     # -- public --------------------------------------------------------------------------------
     def run(self, tasks: Sequence[Task], policy: Policy, *, training: bool,
-            progress: Callable[[int], None] | None = None) -> RolloutResult:
+            progress: Callable[[int], None] | None = None,
+            stop: threading.Event | None = None) -> RolloutResult:
         """Play one meta-episode per task; returns every row and every outcome. ``progress`` is called
-        with the number of rows each batched generation call produced (progress inside long work)."""
+        with the number of rows each collect produced (progress inside long work). Once ``stop`` is set
+        the rollout raises ``stopping.Interrupted`` at its next collect."""
         self._progress = progress
         start = time.perf_counter()
         self._rows: list[Row] = []
@@ -285,76 +295,61 @@ class MetaEpisodeRunner:
         for index, s in enumerate(states):
             s.index = index
         self._states = states
-        stream = self._open_stream(policy)
         plays = [self._meta_episode(s, policy) for s in states]
-        if stream is None:
-            self._drive_lockstep(plays, policy)
-        else:
-            self._drive_stream(plays, stream)
-            # Completion order depends on response lengths; the training batch keeps the lockstep order.
-            order = sorted(range(len(self._rows)), key=self._row_keys.__getitem__)
-            self._rows = [self._rows[i] for i in order]
+        self._drive(plays, policy.stream(), stop)
+        # Completion order depends on the schedule; the training batch keeps the lockstep order.
+        order = sorted(range(len(self._rows)), key=self._row_keys.__getitem__)
+        self._rows = [self._rows[i] for i in order]
         self._stats["generate_calls"] = len(self._call_keys)
         return RolloutResult(
             rows=self._rows, outcomes=[s.outcome for s in states], stats=self._final_stats(states, start)
         )
 
     # -- scheduling ----------------------------------------------------------------------------
-    @staticmethod
-    def _open_stream(policy: Policy) -> PolicyStream | None:
-        """The policy's continuous-batching stream (``LLMPolicy`` with an engine), or None: lockstep."""
-        opener = getattr(policy, "open_stream", None)
-        return opener() if opener is not None else None
+    def _drive(self, plays: list[_Play], stream: PolicyStream, stop: threading.Event | None) -> None:
+        """Answer every meta-episode's calls through ``stream`` under its rule (see the module docstring).
+        A call whose prompt did not fit is answered at once with None (an invalid turn, no generation)."""
+        waiting: dict[int, _Call] = {}  # in the order the calls were made
+        in_flight = 0
+        meta_episodes = [s.task.meta_episode % 2**31 for s in self._states]
 
-    def _drive_lockstep(self, plays: list[_Play], policy: Policy) -> None:
-        """Lockstep: every meta-episode waiting on the earliest (episode, phase, turn) is generated in one
-        batched call; the others wait. This is the turn-by-turn schedule of §2: all play turns of an
-        episode, then its reflections, then the next episode."""
-        pending = {i: c for i, c in ((i, _advance(p, None)) for i, p in enumerate(plays)) if c is not None}
-        while pending:
-            key = min(c.key for c in pending.values())
-            batch = [i for i in sorted(pending) if pending[i].key == key]
-            calls = [pending[i] for i in batch]
-            if any(c.prompt is not None for c in calls):
-                self._call_keys.add(key)
-            generations = self._generate([c.prompt for c in calls], [c.allowed for c in calls],
-                                         calls[0].max_new_tokens, policy)
-            for i, gen in zip(batch, generations):
-                call = _advance(plays[i], gen)
-                if call is None:
-                    del pending[i]
-                else:
-                    pending[i] = call
-
-    def _drive_stream(self, plays: list[_Play], stream: PolicyStream) -> None:
-        """Continuous batching: a meta-episode's next prompt is submitted as soon as its previous response
-        is back and its environment stepped; nothing waits for other meta-episodes."""
-
-        def start(i: int, value: Generation | None) -> None:
+        def advance(i: int, value: Generation | None) -> None:
             call = _advance(plays[i], value)
-            while call is not None and call.prompt is None:  # did not fit: an invalid turn, no generation
+            while call is not None and call.prompt is None:
                 call = _advance(plays[i], None)
             if call is not None:
+                waiting[i] = call
+
+        for i in range(len(plays)):
+            advance(i, None)
+        while waiting or in_flight:
+            if not stream.lockstep:
+                admit = list(waiting)
+            elif in_flight:
+                admit = []
+            else:  # the earliest turn, in task order
+                first = min(c.key for c in waiting.values())
+                admit = sorted(i for i, c in waiting.items() if c.key == first)
+            for i in admit:
+                call = waiting.pop(i)
                 self._call_keys.add(call.key)
+                episode, phase, turn = call.key
                 request = GenerationRequest(prompt=call.prompt, allowed_completions=call.allowed,
                                             max_new_tokens=call.max_new_tokens)
-                meta_episode = plays_meta[i]
-                episode, phase, turn = call.key
-                stream.submit(i, request, (meta_episode, episode, phase * _PHASE_STRIDE + turn),
+                stream.submit(i, request, (meta_episodes[i], episode, phase * _PHASE_STRIDE + turn),
                               priority=call.key)
-
-        plays_meta = [s.task.meta_episode % 2**31 for s in self._states]
-        for i in range(len(plays)):
-            start(i, None)
-        while stream.busy:
+                in_flight += 1
+            if stop is not None and stop.is_set():
+                raise Interrupted
             done = stream.collect()
+            in_flight -= len(done)
             if done and self._progress is not None:
                 self._progress(len(done))
             for i, gen in done:
-                if getattr(gen, "skipped", False):
+                if gen.skipped:
                     self._stats["overflow_invalid"] += 1
                     gen = None
-                start(i, gen)
+                advance(i, gen)
 
     # -- one meta-episode ----------------------------------------------------------------------
     def _meta_episode(self, s: _MetaState, policy: Policy) -> _Play:
@@ -507,39 +502,6 @@ class MetaEpisodeRunner:
                 self._stats["overflow_invalid"] += 1
             prompts[i] = fitted
         return prompts
-
-    def _generate(
-        self,
-        prompts: list[str | None],
-        allowed: list[tuple[str, ...] | WordSequence | None],
-        max_new_tokens: int | None,
-        policy: Policy,
-    ) -> list[Generation | None]:
-        """One batched call for every prompt that fits; None where the prompt did not fit (or the
-        policy skipped it)."""
-        index = [i for i, p in enumerate(prompts) if p is not None]
-        out: list[Generation | None] = [None] * len(prompts)
-        if not index:
-            return out
-        requests = [
-            GenerationRequest(
-                prompt=prompts[i], allowed_completions=allowed[i], max_new_tokens=max_new_tokens
-            )
-            for i in index
-        ]
-        generations = policy.generate(requests)
-        if self._progress is not None:
-            self._progress(len(generations))
-        if len(generations) != len(requests):
-            raise RuntimeError(
-                f"the policy returned {len(generations)} generations for {len(requests)} requests"
-            )
-        for i, gen in zip(index, generations):
-            if getattr(gen, "skipped", False):
-                self._stats["overflow_invalid"] += 1
-                continue
-            out[i] = gen
-        return out
 
     # -- rows ----------------------------------------------------------------------------------
     def _record(

@@ -1,11 +1,16 @@
 """What the meta-episode runner asks of a policy: text prompts in, sampled responses (with tokens) out.
 
 The runner speaks text (environments and prompts are text); the policy owns tokens. ``LLMPolicy``
-adapts the real tokenizer and jitted sampler; ``ScriptedPolicy`` answers from a Python function and
-is what the runner's tests (and baselines such as "random" or "best fixed") use.
+adapts the real tokenizer and the generation programs (``mage_jax.generate``); ``ScriptedPolicy``
+answers from a Python function and is what the runner's tests (and baselines such as "random" or
+"best fixed") use.
 
-One ``generate`` call is one batched LLM call: the runner passes every active row of every
-environment at once (docs/method.md §2, item 4).
+One interface: a policy opens a ``PolicyStream`` per rollout; requests go in one at a time and come
+back as they finish. The stream also says how the runner schedules it (``lockstep``): a batch stream
+(``BatchStream``, over a policy's batched ``generate``) answers everything submitted in one batched
+call, and the runner admits one turn of every meta-episode at a time (docs/method.md §2, item 4); the
+engine's stream (``LLMPolicy`` with a ``generate.engine.RolloutEngine``) takes requests whenever they
+come (continuous batching).
 """
 
 from __future__ import annotations
@@ -17,8 +22,13 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import numpy as np
 
-from mage_jax.constraints import WordSequence, automaton_from_completions, automaton_from_word_sequence
-from mage_jax.rollout.engine import EngineRequest
+from mage_jax.generate.constraints import (
+    TokenAutomaton,
+    WordSequence,
+    automaton_from_completions,
+    automaton_from_word_sequence,
+)
+from mage_jax.generate.engine import EngineRequest, EngineSession
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,27 +65,14 @@ class Generation:
 
 
 @runtime_checkable
-class Policy(Protocol):
-    """A batched text policy."""
-
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
-        """One response per request, in order."""
-        ...
-
-    def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
-        """Token count of each prompt as it would be fed to the model (chat template included)."""
-        ...
-
-
-@runtime_checkable
 class PolicyStream(Protocol):
-    """Continuous batching: requests go in one at a time and come back as they finish.
+    """Requests in, (tag, generation) pairs out as they finish. ``key_path`` names the request
+    (meta-episode, episode, phase/turn); the randomness of its response derives from it alone, not from
+    the order or company it ran in (the engine; a batch stream draws per batch)."""
 
-    A policy that can stream has ``open_stream() -> PolicyStream | None`` (None: it generates in
-    lockstep only); the meta-episode runner then submits each meta-episode's next prompt as soon as its
-    previous response is back. ``key_path`` names the request (meta-episode, episode, phase/turn); the
-    randomness of its response derives from it alone, not from the order or company it ran in.
-    """
+    lockstep: bool
+    """The runner's scheduling rule: True: admit the earliest turn of every meta-episode waiting on it and
+    wait for all of them before the next; False: submit each meta-episode's next request at once."""
 
     @property
     def busy(self) -> bool:
@@ -90,6 +87,48 @@ class PolicyStream(Protocol):
     def collect(self) -> list[tuple[Any, Generation]]:
         """Advance generation a little; the (tag, generation) pairs that finished meanwhile."""
         ...
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A text policy: one stream per rollout."""
+
+    def stream(self) -> PolicyStream:
+        """A fresh stream of requests and results (the policy's state at this moment)."""
+        ...
+
+    def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
+        """Token count of each prompt as it would be fed to the model (chat template included)."""
+        ...
+
+
+class BatchStream:
+    """A lockstep stream over a batched ``generate(requests) -> generations``: ``collect`` answers
+    every request submitted since the last one in one call, in submission order."""
+
+    lockstep = True
+
+    def __init__(self, generate: Callable[[Sequence[GenerationRequest]], list[Generation]]):
+        self._generate = generate
+        self._submitted: list[tuple[Any, GenerationRequest]] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._submitted)
+
+    def submit(self, tag: Any, request: GenerationRequest, key_path: tuple[int, ...],
+               priority: tuple[int, ...] = ()) -> None:
+        self._submitted.append((tag, request))
+
+    def collect(self) -> list[tuple[Any, Generation]]:
+        batch, self._submitted = self._submitted, []
+        if not batch:
+            return []
+        generations = self._generate([r for _, r in batch])
+        if len(generations) != len(batch):
+            raise RuntimeError(f"the policy returned {len(generations)} generations for {len(batch)} "
+                               "requests")
+        return [(tag, g) for (tag, _), g in zip(batch, generations)]
 
 
 def _byte_ids(text: str) -> tuple[int, ...]:
@@ -108,6 +147,9 @@ class RandomLegalPolicy:
 
     def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
         return [len(p.split()) for p in prompts]
+
+    def stream(self) -> PolicyStream:
+        return BatchStream(self.generate)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         out = []
@@ -155,6 +197,9 @@ class ScriptedPolicy:
     def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
         return [len(self._encode_prompt(p)) for p in prompts]
 
+    def stream(self) -> PolicyStream:
+        return BatchStream(self.generate)
+
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         self.calls.append(list(requests))
         out = []
@@ -189,8 +234,8 @@ class LLMPolicy:
     longer than ``max_prompt_tokens`` are not sent to the model: they come back as an empty, truncated
     response (an invalid turn), never an error. The runner normally shortens prompts before that happens.
     Automata for constrained rows are built once per distinct set of allowed completions and cached.
-    With an ``engine`` (``rollout.engine.RolloutEngine``) the policy also streams (``open_stream``): the
-    runner then schedules its calls by continuous batching instead of lockstep.
+    With an ``engine`` (``generate.engine.RolloutEngine``) its stream is the engine's (continuous
+    batching); without one a ``BatchStream`` over ``generate`` (the lockstep sampler, one call per turn).
     """
 
     def __init__(
@@ -255,18 +300,32 @@ class LLMPolicy:
         return min(limits) if limits else None
 
     # -- generation ----------------------------------------------------------------------------
-    def open_stream(self) -> PolicyStream | None:
-        """A continuous-batching stream over the engine (None without one: lockstep ``generate``)."""
+    def stream(self) -> PolicyStream:
+        """The engine's continuous-batching stream, or without an engine a lockstep ``BatchStream``."""
         if self.engine is None:
-            return None
+            return BatchStream(self.generate)
         self.rng, key = jax.random.split(self.rng)
-        return _EngineStream(self, self.engine.session(self.params_state, self.sampling_params, key))
+        return EngineStream(self, self.engine.session(self.params_state, self.sampling_params, key))
 
     def _fits(self, ids: Sequence[int], limit: int | None) -> bool:
         return bool(ids) and (limit is None or len(ids) <= limit)
 
     def _row_limit(self, request: GenerationRequest) -> int:
         return int(request.max_new_tokens or self.sampling_params.max_new_tokens)
+
+    def prepare(self, request: GenerationRequest) -> Prepared | None:
+        """What one request asks of the model: its prompt ids, token limit and automaton; None when the
+        prompt cannot be fed to the model (the request is answered as skipped)."""
+        ids = self._encode([request.prompt])[0]
+        self._prompt_cache.pop(request.prompt, None)
+        if not self._fits(ids, self._prompt_limit()):
+            return None
+        automaton = self.automaton(request.allowed_completions) if request.allowed_completions else None
+        return Prepared(np.asarray(ids, dtype=np.int32), self._row_limit(request), automaton)
+
+    def decode(self, responses: Sequence[np.ndarray]) -> list[str]:
+        """The text of each response (token ids)."""
+        return self.tokenizer.decode_batch([list(map(int, t)) for t in responses])
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         if not requests:
@@ -312,15 +371,26 @@ class LLMPolicy:
 _SKIPPED = Generation(text="", prompt_ids=(), response_ids=(), logprobs=(), truncated=True, skipped=True)
 
 
-class _EngineStream:
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A request in tokens: its prompt ids, response token limit and automaton (None: free)."""
+
+    prompt_ids: np.ndarray
+    limit: int
+    automaton: TokenAutomaton | None
+
+
+class EngineStream:
     """``LLMPolicy`` over one engine session: text in, ``Generation`` out (prompts that cannot be fed
     to the model come back at once as skipped, like ``generate``)."""
 
-    def __init__(self, policy: LLMPolicy, session: Any):
+    lockstep = False
+
+    def __init__(self, policy: LLMPolicy, session: EngineSession):
         self.policy = policy
         self.session = session
         self._ready: list[tuple[Any, Generation]] = []
-        self._meta: dict[Any, tuple[np.ndarray, Any]] = {}
+        self._prepared: dict[Any, Prepared] = {}
 
     @property
     def busy(self) -> bool:
@@ -328,17 +398,14 @@ class _EngineStream:
 
     def submit(self, tag: Any, request: GenerationRequest, key_path: tuple[int, ...],
                priority: tuple[int, ...] = ()) -> None:
-        policy = self.policy
-        ids = policy._encode([request.prompt])[0]
-        policy._prompt_cache.pop(request.prompt, None)
-        if not policy._fits(ids, policy._prompt_limit()):
+        prepared = self.policy.prepare(request)
+        if prepared is None:
             self._ready.append((tag, _SKIPPED))
             return
-        automaton = policy.automaton(request.allowed_completions) if request.allowed_completions else None
-        self._meta[tag] = (np.asarray(ids, dtype=np.int32), automaton)
+        self._prepared[tag] = prepared
         self.session.submit(EngineRequest(
-            tag=tag, prompt_ids=tuple(int(t) for t in ids), limit=policy._row_limit(request),
-            automaton=automaton, key_path=tuple(int(k) for k in key_path), priority=tuple(priority),
+            tag=tag, prompt_ids=tuple(int(t) for t in prepared.prompt_ids), limit=prepared.limit,
+            automaton=prepared.automaton, key_path=tuple(int(k) for k in key_path), priority=tuple(priority),
         ))
 
     def collect(self) -> list[tuple[Any, Generation]]:
@@ -346,12 +413,11 @@ class _EngineStream:
         if not self.session.busy:
             return out
         results = self.session.step()
-        texts = self.policy.tokenizer.decode_batch([list(map(int, r.tokens)) for r in results])
-        for r, text in zip(results, texts):
-            prompt_ids, automaton = self._meta.pop(r.tag)
+        for r, text in zip(results, self.policy.decode([r.tokens for r in results])):
+            prepared = self._prepared.pop(r.tag)
             out.append((r.tag, Generation(
-                text=text, prompt_ids=prompt_ids, response_ids=np.asarray(r.tokens, dtype=np.int32),
+                text=text, prompt_ids=prepared.prompt_ids, response_ids=np.asarray(r.tokens, dtype=np.int32),
                 logprobs=np.asarray(r.logprobs, dtype=np.float32), truncated=not r.finished,
-                constraint=automaton,
+                constraint=prepared.automaton,
             )))
         return out

@@ -22,16 +22,17 @@ from mage_jax.algorithms import AdvantageConfig
 from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.envs.base import make_env
 from mage_jax.envs.two_player import TwoPlayerGameEnv
+from mage_jax.generate.engine import RolloutEngine
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import SamplingParams
 from mage_jax.logging import MetricsLogger
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.hf_loading import load_hf_params
 from mage_jax.rollout.attempts import IndependentAttemptsRunner
-from mage_jax.rollout.engine import RolloutEngine
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
 from mage_jax.rollout.policy import LLMPolicy, Policy, RandomLegalPolicy
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
-from mage_jax.sampling import Sampler, SamplingParams
 from mage_jax.tokenizer import Tokenizer, TokenizerError
 from mage_jax.training.checkpoint import Checkpointer
 from mage_jax.training.train_step import StepConfig, TrainStep, make_optimizer

@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mage_jax.algorithms import losses
-from mage_jax.constraints import constraint_masks
+from mage_jax.generate.constraints import constraint_masks
 from mage_jax.models import lora
 from mage_jax.models import sharding as shd
 from mage_jax.training.xla_options import train_step_compiler_options

@@ -71,7 +71,7 @@ from mage_jax.logging import MetricsLogger
 from mage_jax.models.sharding import to_host
 from mage_jax.progress import NoBar, progress_bar
 from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices, pack_rows, pick_bucket
-from mage_jax.rollout.stopping import Interrupted, StoppablePolicy
+from mage_jax.rollout.stopping import Interrupted
 from mage_jax.training.assemble import RunParts, advantage_config, evaluation_key, row_length_buckets
 from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
 from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows
@@ -172,8 +172,8 @@ class Trainer:
         tasks = parts.task_sampler.sample_train(iteration - 1)
         key = jax.random.fold_in(self.base_key, iteration)
         policy = parts.policy(self.state.params, jax.random.fold_in(key, 0), evaluation=False)
-        result = parts.train_runner.run(tasks, StoppablePolicy(policy, self._stop), training=True,
-                                        progress=self._rows_progress(iteration))
+        result = parts.train_runner.run(tasks, policy, training=True, progress=self._rows_progress(iteration),
+                                        stop=self._stop)
         t_rollout = time.perf_counter() - t0
         self._check_rows(iteration, result.rows)
         every = cfg.logging.samples_every

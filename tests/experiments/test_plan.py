@@ -79,20 +79,23 @@ def test_verdict_compares_the_peak_with_usable_memory_and_says_what_to_change():
     cfg = plan.preset_config("kuhn_poker", "paper")
     h100 = plan.HARDWARE["h100-80gb"]
     fits = plan.verdict(_synthetic_plan(state=8e9, extra={"train_grads": 60e9, "train_apply": 1e9,
-                                                           "logprobs": 5e9, "rollout": 40e9}), h100, cfg)
+                                                           "logprobs": 5e9, "decode": 40e9}), h100, cfg)
     assert fits["fits"] and fits["advice"] == [] and fits["headroom"] == pytest.approx(72e9 - 68e9)
     assert fits["seconds_at_peak"]["train_grads"] == pytest.approx(1e15 / 989e12)
     rollout = plan.verdict(_synthetic_plan(state=8e9, extra={"train_grads": 30e9, "train_apply": 1e9,
-                                                              "logprobs": 5e9, "rollout": 70e9}), h100, cfg)
-    assert not rollout["fits"] and "rollout.max_decode_rows to 32" in rollout["advice"][0]
+                                                              "logprobs": 5e9, "decode": 70e9}), h100, cfg)
+    assert not rollout["fits"] and "rollout.engine_slots to 32" in rollout["advice"][0]
     assert "more devices (over by 6.0 GB per device)" in rollout["advice"][-1]
+    lockstep = plan.verdict(_synthetic_plan(state=8e9, extra={"train_grads": 30e9, "train_apply": 1e9,
+                                                               "logprobs": 5e9, "lockstep": 70e9}), h100, cfg)
+    assert not lockstep["fits"] and "rollout.max_decode_rows to 32" in lockstep["advice"][0]
     grads = plan.verdict(_synthetic_plan(state=50e9, extra={"train_grads": 30e9, "train_apply": 1e9,
-                                                             "logprobs": 5e9, "rollout": 20e9}, devices=4),
+                                                             "logprobs": 5e9, "decode": 20e9}, devices=4),
                          h100, cfg)
     assert not grads["fits"] and "LoRA" in grads["advice"][0]
     assert any("optim.micro_batch_rows 4 (now 8)" in a for a in grads["advice"])  # 2 rows per device now
     one_row = plan.verdict(_synthetic_plan(state=50e9, extra={"train_grads": 30e9, "train_apply": 1e9,
-                                                               "logprobs": 5e9, "rollout": 20e9}), h100, cfg)
+                                                               "logprobs": 5e9, "decode": 20e9}), h100, cfg)
     assert not any("micro_batch_rows" in a for a in one_row["advice"])  # already 1 row per device
 
 
@@ -113,9 +116,12 @@ def test_plan_of_the_tiny_preset_end_to_end():
     assert p["peak"] == max(q["need"] for q in p["programs"].values())
     # KV cache: 2 (keys, values) x layers x rows per device x kv heads x head dim x slots x 4 bytes
     # (float32 activations); the tiny preset: 2 layers, 2 kv heads of 16, rows over the 2 devices.
-    r = p["programs"]["rollout"]
+    # The rollout is the engine's (the default): its slots' cache, as many rows as the engine has slots.
+    r = p["programs"]["decode"]
+    assert r["rows"] == p["programs"]["insert"]["rows"] == 64  # min(the largest rollout, 64) slots
     assert p["kv_cache"] == 2 * 2 * (r["rows"] // 2) * 2 * 16 * (r["prompt"] + r["new_tokens"]) * 4
-    assert r["argument"] >= p["kv_cache"]  # the cache is an argument of the decode loop
+    for name in ("insert", "decode"):  # the slots' cache is an argument of both engine programs
+        assert p["programs"][name]["argument"] >= p["kv_cache"]
     params = out["model"]["params"]
     assert p["state"]["params"] == params * 4  # float32, replicated over the data axis
     assert p["state"]["opt_state"] >= 2 * p["state"]["params"]  # AdamW's two moments

@@ -19,7 +19,7 @@ class _FakeRunner:
         self.wins = set(wins)
         self.seen = []
 
-    def run(self, tasks, policy, *, training, progress=None):
+    def run(self, tasks, policy, *, training, progress=None, stop=None):
         self.seen = list(tasks)
         outcomes = []
         for t in tasks:

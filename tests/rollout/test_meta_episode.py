@@ -1,14 +1,16 @@
 """The lockstep meta-episode runner (docs/method.md §2 and §3) with scripted policies."""
 
 import re
+import threading
 
 import pytest
 
-from mage_jax.constraints import WordSequence
 from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, TextEnv, register_env
+from mage_jax.generate.constraints import WordSequence
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
 from mage_jax.rollout.policy import ScriptedPolicy
+from mage_jax.rollout.stopping import Interrupted
 from mage_jax.rollout.tasks import Task, TaskSampler, TaskSamplerConfig
 
 
@@ -149,6 +151,27 @@ def test_every_turn_is_one_batched_generate_call_over_all_active_meta_episodes()
     assert sum(len(call) for call in policy.calls) == len(result.rows)
     keys = [(r.meta_episode, r.episode, r.turn, r.phase) for r in result.rows]
     assert len(set(keys)) == len(keys)
+
+
+def test_a_stop_request_ends_the_rollout_at_its_next_collect():
+    """Once ``stop`` is set (SIGTERM / Ctrl-C in the trainer) the runner raises ``Interrupted`` before it
+    collects anything more: the turn in which the stop came is the last one generated."""
+    stop = threading.Event()
+    turns = []
+
+    def play(prompt):
+        turns.append(prompt)
+        if len(turns) == 8:  # the last request of the first turn
+            stop.set()
+        return wins_at({})(prompt)
+
+    policy = scripted(play)
+    with pytest.raises(Interrupted):
+        runner(num_episodes=2).run(tasks_for([0, 1, 2, 3], group_size=2), policy, training=True, stop=stop)
+    assert len(policy.calls) == 1 and len(turns) == 8
+    # Without a stop the same rollout plays on.
+    assert len(runner(num_episodes=2).run(tasks_for([0, 1, 2, 3], group_size=2), scripted(wins_at({})),
+                                         training=True, stop=threading.Event()).rows) > 8
 
 
 @pytest.mark.parametrize(

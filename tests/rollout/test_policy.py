@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mage_jax.constraints import TokenAutomaton, WordSequence
+from mage_jax.generate.constraints import TokenAutomaton, WordSequence
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import SamplingParams
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer
@@ -15,7 +17,6 @@ from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
 from mage_jax.rollout.policy import GenerationRequest, LLMPolicy, Policy, RandomLegalPolicy, ScriptedPolicy
 from mage_jax.rollout.rows import pack_rows
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
-from mage_jax.sampling import Sampler, SamplingParams
 from mage_jax.tokenizer import Tokenizer
 from mage_jax.training.train_step import StepConfig, TrainBatch, TrainStep
 from tests.tiny_models import SMALLEST_DECODER

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mage_jax.constraints import TokenAutomaton
+from mage_jax.generate.constraints import TokenAutomaton
 from mage_jax.rollout.rows import Row, length_grouped_minibatches, minibatch_indices, pack_rows
 
 PAD = 0

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from mage_jax.algorithms.schedules import learning_rate_schedule
-from mage_jax.constraints import automaton_from_completions
+from mage_jax.generate.constraints import automaton_from_completions
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
 from mage_jax.training.train_step import (

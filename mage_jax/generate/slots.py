@@ -1,7 +1,7 @@
 """Jitted kernels of the rollout engine: a fixed set of decode slots over one static KV cache.
 
-``mage_jax.sampling.Sampler`` runs one batch from prefill to its longest row; the engine
-(``mage_jax.rollout.engine``) instead keeps ``S`` decode *slots* alive for a whole rollout and moves
+``generate.sampler.Sampler`` runs one batch from prefill to its longest row; the engine
+(``generate.engine``) instead keeps ``S`` decode *slots* alive for a whole rollout and moves
 rows in and out of them between short decode chunks. This module holds the device programs and the
 slot state they share; scheduling (which request goes where, prefix sharing, packing) is the engine's.
 
@@ -28,8 +28,9 @@ warm-up nothing recompiles (``compile_count`` counts traces).
 
 Randomness: a slot's token ``i`` is drawn with ``fold_in(fold_in(fold_in(fold_in(key, a), b), c), i)``
 where ``(a, b, c)`` is the request's *key path* (the runner uses meta-episode, episode, phase/turn), so
-a response does not depend on which slot ran it or what ran beside it. Token choice, masking and the
-returned log-probs are ``sampling.choose_tokens`` (the lockstep sampler's), row by row.
+a response does not depend on which slot ran it or what ran beside it. Token choice, masking, the
+automaton and the end of sequence are ``generate.step.token_step`` (the lockstep sampler's), with one
+key per row.
 
 Constraints: every slot carries an automaton table ``transitions[S, Q, V]`` (an unconstrained request
 gets the accept-all automaton, which leaves the logits unchanged), masked exactly like the sampler.
@@ -50,11 +51,19 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mage_jax.constraints import allowed_tokens
+from mage_jax.generate import shapes
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import (
+    KEY_PATH_LEN,
+    Choice,
+    SamplingParams,
+    prefill,
+    row_keys,
+    runtime_values,
+    token_step,
+)
 from mage_jax.models.transformer import KVCache, init_cache
-from mage_jax.sampling import Sampler, SamplingParams, choose_tokens, left_padded
 
-KEY_PATH_LEN = 3
 _NOWHERE = 2**30  # a cache position past any cache: the write is dropped
 DEFAULT_SLOT_LEVELS = 4  # slot buckets: all slots, 1/2, 1/4, 1/8
 
@@ -101,43 +110,6 @@ class Donor:
     length: int
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    greedy: bool
-    top_k: int
-    use_top_p: bool
-
-
-def _static(params: SamplingParams, vocab: int) -> _Static:
-    return _Static(params.is_greedy, min(params.top_k, vocab), params.top_p < 1.0)
-
-
-def row_keys(key: jax.Array, key_path: jax.Array, step: jax.Array) -> jax.Array:
-    """One PRNG key per row: ``key`` folded with the row's key path, then with the token index."""
-
-    def one(path, i):
-        k = key
-        for j in range(KEY_PATH_LEN):
-            k = jax.random.fold_in(k, path[j])
-        return jax.random.fold_in(k, i)
-
-    return jax.vmap(one)(key_path, step)
-
-
-def _choose_rows(logits, allowed, keys, temperature, top_p, static: _Static):
-    """``choose_tokens`` with one key per row (greedy needs none and runs batched)."""
-    if static.greedy:
-        return choose_tokens(logits, allowed, keys[0], temperature, top_p, greedy=True, top_k=0,
-                             use_top_p=False)
-
-    def one(lg, al, k):
-        tok, lp = choose_tokens(lg[None], al[None], k, temperature, top_p, greedy=False,
-                                top_k=static.top_k, use_top_p=static.use_top_p)
-        return tok[0], lp[0]
-
-    return jax.vmap(one)(logits, allowed, keys)
-
-
 class SlotSampler:
     """The insert and decode programs of ``S`` slots for the model of ``sampler`` (its graph, special
     ids, prompt buckets, mesh and parameter shardings); see the module docstring."""
@@ -161,15 +133,11 @@ class SlotSampler:
         self.max_new_tokens = int(max_new_tokens)
         self.chunk = int(chunk)
         self.max_len = sampler.prompt_buckets[-1] + self.max_new_tokens
-        pow2 = []
-        b = 1
-        while b < self.num_slots:
-            pow2.append(b)
-            b *= 2
-        self.row_buckets = tuple(sorted({*(unique_buckets or pow2), self.num_slots}))
+        row_buckets = unique_buckets or shapes.pow2_buckets(self.num_slots)
+        self.row_buckets = tuple(sorted({*row_buckets, self.num_slots}))
         self.compile_count = 0
-        self._inserts: dict[_Static, Callable] = {}
-        self._decodes: dict[tuple[_Static, int, int], Callable] = {}
+        self._inserts: dict[Choice, Callable] = {}
+        self._decodes: dict[tuple[Choice, int, int], Callable] = {}
         self._moves: Callable | None = None
         self._empty: dict[int, Callable] = {}
         self._specs: Any = None
@@ -207,6 +175,15 @@ class SlotSampler:
             logprobs=jnp.zeros((s, n), jnp.float32),
             prompt_hidden=jnp.zeros((s, sampler.config.hidden_size), sampler.config.jnp_dtype),
         )
+
+    def abstract_slots(self, num_states: int = 1) -> Slots:
+        """The shapes, dtypes and shardings of ``empty(num_states)`` without allocating them."""
+        shapes_ = jax.eval_shape(lambda: self._zeros(num_states))
+        shardings = self._shardings(num_states)
+        if shardings is None:
+            return shapes_
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes_,
+                            shardings)
 
     def empty(self, num_states: int = 1) -> Slots:
         """``S`` free slots (every slot done), sharded over the mesh's batch axes with the rows."""
@@ -246,11 +223,11 @@ class SlotSampler:
         if u and (max(lengths) > sampler.prompt_buckets[-1] or min(lengths) == 0):
             raise ValueError(f"prompts must have 1..{sampler.prompt_buckets[-1]} tokens")
         p_bucket = self.prompt_bucket(prompts, donors)
-        t_bucket = _bucket(t, self.row_buckets)
-        u_bucket = min(_bucket(u, self.row_buckets), t_bucket)
+        t_bucket = shapes.bucket(t, self.row_buckets)
+        u_bucket = min(shapes.bucket(u, self.row_buckets), t_bucket)
         u_bucket = max(u_bucket, 1)
-        tokens, valid = left_padded(prompts, u_bucket, p_bucket, pad_id=sampler.pad_id,
-                                    vocab_size=sampler.vocab_size)
+        tokens, valid = shapes.left_padded(prompts, u_bucket, p_bucket, pad_id=sampler.pad_id,
+                                           vocab_size=sampler.vocab_size)
         valid[u:, -1] = True  # dummy prompts: one real token, so their (discarded) prefill stays finite
         src = np.zeros(t_bucket, np.int32)
         donor = np.full(t_bucket, -1, np.int32)  # -1: from the prefill
@@ -270,21 +247,37 @@ class SlotSampler:
         table[:t] = transitions
         paths = np.zeros((t_bucket, KEY_PATH_LEN), np.int32)
         paths[:t] = key_paths
-        static = _static(params, sampler.vocab_size)
+        temperature, top_p = runtime_values(params)
+        with self._mesh_context():
+            return self._insert_program(params)(state, slots, tokens, valid, src, donor, base, lens, dst, lim,
+                                                table, paths, key, temperature, top_p)
+
+    def _insert_program(self, params: SamplingParams) -> Callable:
+        static = Choice.of(params, self.sampler.vocab_size)
         fn = self._inserts.get(static)
         if fn is None:
             fn = self._inserts[static] = self._build_insert(static)
-        temperature, top_p = _runtime(params)
+        return fn
+
+    def lower_insert(self, state: Any, params: SamplingParams, *, prompts: int, targets: int,
+                     prompt_len: int, num_states: int = 1) -> jax.stages.Lowered:
+        """The insert program of ``prompts`` distinct prompts of ``prompt_len`` tokens into ``targets``
+        slots (row buckets), lowered ahead of time for ``state`` (arrays or ``ShapeDtypeStruct`` leaves
+        with their shardings); nothing is allocated."""
+        i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        args = (state, self.abstract_slots(num_states), i32((prompts, prompt_len)),
+                jax.ShapeDtypeStruct((prompts, prompt_len), jnp.bool_), *(i32((targets,)) for _ in range(6)),
+                i32((targets, num_states, self.sampler.vocab_size)), i32((targets, KEY_PATH_LEN)),
+                jax.random.key(0), *runtime_values(params))
         with self._mesh_context():
-            return fn(state, slots, tokens, valid, src, donor, base, lens, dst, lim, table, paths, key,
-                      temperature, top_p)
+            return self._insert_program(params).lower(*args)
 
     def prompt_bucket(self, prompts: Sequence[Sequence[int]], donors: Sequence[Donor | None]) -> int:
         """The prompt bucket of an insert: it holds the longest prompt and every donor's bucket."""
         longest = max([len(p) for p in prompts] + [d.bucket for d in donors if d is not None])
-        return _bucket(longest, self.sampler.prompt_buckets)
+        return shapes.bucket(longest, self.sampler.prompt_buckets)
 
-    def _build_insert(self, static: _Static) -> Callable:
+    def _build_insert(self, static: Choice) -> Callable:
         sampler = self.sampler
         graphdef, config, pad_id = sampler.graphdef, sampler.config, sampler.pad_id
         eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
@@ -295,21 +288,16 @@ class SlotSampler:
             model = nnx.merge(graphdef, state)
             rows, p = tokens.shape
             temp = init_cache(config, rows, p, sampler.cache_dtype)
-            positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0).astype(jnp.int32)
-            hidden, temp = model(tokens, positions, valid, temp, jnp.int32(0))
+            hidden, temp = prefill(model, tokens, valid, temp)
             copied = donor >= 0
             from_slot = jnp.maximum(donor, 0)
             last_hidden = jnp.where(copied[:, None], slots.prompt_hidden[from_slot], hidden[:, -1, :][src])
             logits = model.logits(last_hidden[:, None, :])[:, 0]  # [T, V]
             zeros = jnp.zeros(src.shape, jnp.int32)
-            allowed, nxt = allowed_tokens(table, zeros)
-            choice_keys = row_keys(key, paths, zeros)
-            token, logp = _choose_rows(logits, allowed, choice_keys, temperature, top_p, static)
             done0 = limits <= 0
-            token = jnp.where(done0, pad_id, token)
-            logp = jnp.where(done0, 0.0, logp)
-            auto = jnp.take_along_axis(nxt, token[:, None], axis=1)[:, 0]
-            hit = (token[:, None] == eos_ids[None, :]).any(axis=-1) & ~done0
+            drawn = token_step(logits, table, zeros, row_keys(key, paths, zeros), done0, temperature, top_p,
+                               choice=static, eos_ids=eos_ids, pad_id=pad_id)
+            token, logp, auto, hit = drawn.token, drawn.logp, drawn.auto, drawn.eos
             length = jnp.where(done0, 0, 1).astype(jnp.int32)
             n = slots.tokens.shape[1]
             row_tokens = jnp.full((src.shape[0], n), pad_id, jnp.int32).at[:, 0].set(token)
@@ -378,7 +366,7 @@ class SlotSampler:
 
     def slot_bucket(self, highest_local: int) -> int:
         """The smallest slot bucket (per device) that holds local slot index ``highest_local``."""
-        return _bucket(highest_local + 1, self.slot_buckets)
+        return shapes.bucket(highest_local + 1, self.slot_buckets)
 
     # ------------------------------------------------------------------------------------ moves
     def move(self, slots: Slots, moves: Sequence[tuple[int, int]]) -> Slots:
@@ -393,7 +381,7 @@ class SlotSampler:
             if src // local != dst // local:
                 raise ValueError(f"slot {src} and slot {dst} lie on different devices")
             per_block[src // local].append((src % local, dst % local))
-        m = _bucket(max(len(b) for b in per_block), self.row_buckets)
+        m = shapes.bucket(max(len(b) for b in per_block), self.row_buckets)
         src_ix = np.full((ways, m), local, np.int32)  # out of range: padding moves are dropped
         dst_ix = np.full((ways, m), local, np.int32)
         for d, block in enumerate(per_block):
@@ -444,7 +432,12 @@ class SlotSampler:
         ``bucket``: decode the first ``bucket`` slots of every device's block only (a ``slot_buckets``
         entry; ``ways * bucket`` rows computed per step); every active slot must lie among them.
         None: every slot."""
-        static = _static(params, self.sampler.vocab_size)
+        temperature, top_p = runtime_values(params)
+        with self._mesh_context():
+            return self._decode_program(params, window, bucket)(state, slots, key, temperature, top_p)
+
+    def _decode_program(self, params: SamplingParams, window: int | None, bucket: int | None) -> Callable:
+        static = Choice.of(params, self.sampler.vocab_size)
         window = self.max_len if window is None else int(window)
         bucket = self.local_slots if bucket is None else int(bucket)
         if bucket not in self.slot_buckets:
@@ -452,11 +445,17 @@ class SlotSampler:
         fn = self._decodes.get((static, window, bucket))
         if fn is None:
             fn = self._decodes[static, window, bucket] = self._build_decode(static, window, bucket)
-        temperature, top_p = _runtime(params)
-        with self._mesh_context():
-            return fn(state, slots, key, temperature, top_p)
+        return fn
 
-    def _build_decode(self, static: _Static, window: int, bucket: int) -> Callable:
+    def lower_decode(self, state: Any, params: SamplingParams, *, window: int | None = None,
+                     bucket: int | None = None, num_states: int = 1) -> jax.stages.Lowered:
+        """The decode program of one chunk (``window`` / ``bucket`` as in ``decode``; None: the whole cache,
+        every slot), lowered ahead of time for ``state`` like ``lower_insert``."""
+        with self._mesh_context():
+            return self._decode_program(params, window, bucket).lower(
+                state, self.abstract_slots(num_states), jax.random.key(0), *runtime_values(params))
+
+    def _build_decode(self, static: Choice, window: int, bucket: int) -> Callable:
         sampler = self.sampler
         graphdef, pad_id, chunk = sampler.graphdef, sampler.pad_id, self.chunk
         eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
@@ -479,15 +478,11 @@ class SlotSampler:
                 write = jnp.where(s.done, _NOWHERE, s.write)
                 hidden, cache = model(s.last[:, None], s.position[:, None], cache=s.cache,
                                       cache_index=write, kv_start=s.kv_start)
-                logits = model.logits(hidden)[:, 0]
-                allowed, nxt = allowed_tokens(s.transitions, s.auto)
-                token, logp = _choose_rows(logits, allowed, row_keys(key, s.key_path, s.length),
-                                           temperature, top_p, static)
                 active = ~s.done
-                token = jnp.where(active, token, pad_id)
-                logp = jnp.where(active, logp, 0.0)
-                auto = jnp.where(active, jnp.take_along_axis(nxt, token[:, None], axis=1)[:, 0], s.auto)
-                hit = (token[:, None] == eos_ids[None, :]).any(axis=-1) & active
+                drawn = token_step(model.logits(hidden)[:, 0], s.transitions, s.auto,
+                                   row_keys(key, s.key_path, s.length), s.done, temperature, top_p,
+                                   choice=static, eos_ids=eos_ids, pad_id=pad_id)
+                token, logp, auto, hit = drawn.token, drawn.logp, drawn.auto, drawn.eos
                 column = jnp.where(active, s.length, n)  # done slots write out of range: dropped
                 length = s.length + active.astype(jnp.int32)
                 step_up = active.astype(jnp.int32)
@@ -527,14 +522,3 @@ class SlotSampler:
             return out, steps
 
         return jax.jit(run, donate_argnums=(1,))
-
-
-def _runtime(params: SamplingParams) -> tuple[np.float32, np.float32]:
-    return np.float32(params.temperature if params.temperature > 0 else 1.0), np.float32(params.top_p)
-
-
-def _bucket(n: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    return buckets[-1]

@@ -1,5 +1,6 @@
-"""Specification of mage_jax.sampling: jitted generation that matches the training forward and Hugging
-Face greedy decoding, compiles once per bucket, honours limits, and obeys token automata."""
+"""Specification of mage_jax.generate.sampler, the lockstep program: jitted generation that matches the
+training forward and Hugging Face greedy decoding, compiles once per bucket, honours limits, and obeys
+token automata."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mage_jax.constraints import TokenAutomaton, automaton_from_completions, constraint_masks, stack_automata
+from mage_jax.generate.constraints import (
+    TokenAutomaton,
+    automaton_from_completions,
+    constraint_masks,
+    stack_automata,
+)
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import SamplingParams
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer, positions_from_mask
-from mage_jax.sampling import (
-    Sampler,
-    SamplingParams,
-    choose_tokens,
-    sample_categorical,
-)
 from tests.tiny_models import build_random_causal_lm
 
 VOCAB, EOS, PAD = 64, 3, 0
@@ -151,67 +153,6 @@ def test_empty_prompts_and_out_of_vocabulary_ids_are_clear_errors(tiny):
     assert sampler.generate(state, [], params, jax.random.key(0)).tokens == []
 
 
-def test_sampling_params_are_validated():
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0.0)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        SamplingParams(max_new_tokens=0)
-    assert SamplingParams(temperature=0.0).is_greedy
-
-
-# --------------------------------------------------------------------------------- token choice
-def test_top_k_and_top_p_draw_only_from_the_kept_tokens():
-    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 512))
-    keys = jax.random.key(0)
-    one = jnp.float32(1.0)
-
-    choose = jax.jit(choose_tokens, static_argnames=("greedy", "top_k", "use_top_p"))
-
-    def draw(top_k, top_p, use_top_p):
-        tokens, logp = choose(
-            logits, None, keys, one, jnp.float32(top_p), greedy=False, top_k=top_k, use_top_p=use_top_p
-        )
-        return set(np.asarray(tokens).tolist()), np.asarray(logp)
-
-    drawn, logp = draw(2, 1.0, False)
-    assert drawn == {0, 1}
-    np.testing.assert_allclose(np.exp(logp), np.where(logp > -1.0, 0.5, 0.3), rtol=1e-5)  # untruncated p
-    assert draw(0, 0.75, True)[0] == {0, 1}  # 0.5 + 0.3 reaches 0.75
-    assert draw(0, 0.5, True)[0] == {0}
-    assert draw(3, 0.9, True)[0] == {0, 1, 2}
-    assert draw(0, 1.0, False)[0] == {0, 1, 2, 3}
-
-
-def test_inverse_cdf_sampling_draws_from_the_softmax_and_never_a_masked_token():
-    probs = np.asarray([0.1, 0.0, 0.25, 0.05, 0.0, 0.6, 0.0])  # blocks of 3: the middle block is partly empty
-    logits = jnp.log(jnp.asarray(np.tile(probs, (40000, 1)), jnp.float32))
-    tokens = np.asarray(
-        jax.jit(sample_categorical, static_argnames="block")(jax.random.key(3), logits, block=3)
-    )
-    freq = np.bincount(tokens, minlength=len(probs)) / len(tokens)
-    assert set(np.flatnonzero(freq)) == set(np.flatnonzero(probs))
-    np.testing.assert_allclose(freq, probs, atol=0.01)
-
-
-def test_greedy_is_the_argmax_of_the_allowed_tokens():
-    logits = jnp.asarray([[0.0, 5.0, 1.0, 2.0]])
-    allowed = jnp.asarray([[True, False, True, True]])
-    token, logp = choose_tokens(
-        logits,
-        allowed,
-        jax.random.key(0),
-        jnp.float32(1),
-        jnp.float32(1),
-        greedy=True,
-        top_k=0,
-        use_top_p=False,
-    )
-    assert int(token[0]) == 3
-    np.testing.assert_allclose(
-        float(logp[0]), float(jax.nn.log_softmax(jnp.asarray([0.0, 1.0, 2.0]))[2]), rtol=1e-6
-    )
-
-
 # ------------------------------------------------------------------------------ constrained decoding
 def test_constrained_generation_only_produces_allowed_completions(tiny):
     model, state, sampler = tiny
@@ -318,7 +259,8 @@ from flax import nnx
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.sharding import MeshConfig, make_mesh
 from mage_jax.models.transformer import Transformer
-from mage_jax.sampling import Sampler, SamplingParams
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import SamplingParams
 config = ModelConfig.preset("tiny", vocab_size=64, num_layers=1, hidden_size=64, intermediate_size=128)
 graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
 prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]

@@ -1,4 +1,4 @@
-"""Specification of the rollout engine (mage_jax.rollout.engine, mage_jax.slot_sampler): continuous
+"""Specification of the rollout engine (mage_jax.generate.engine, generate.slots): continuous
 batching changes how generations are scheduled, never what a meta-episode sees. With greedy decoding the
 engine gives the lockstep path's tokens, rows, row order, outcomes and metrics on every built-in
 environment; identical prompts are prefilled once; nothing recompiles once warm."""
@@ -22,14 +22,15 @@ from flax import nnx
 
 from experiments.environments import ENVIRONMENTS, environment
 from mage_jax import config as C
-from mage_jax.constraints import automaton_from_completions
 from mage_jax.envs.alfworld import write_tiny_alfred_game
+from mage_jax.generate.constraints import automaton_from_completions, automaton_from_word_sequence
+from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import SamplingParams
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.sharding import param_shardings
 from mage_jax.models.transformer import Transformer
-from mage_jax.rollout.engine import EngineRequest, RolloutEngine, generate_all
 from mage_jax.rollout.policy import LLMPolicy
-from mage_jax.sampling import Sampler, SamplingParams
 from mage_jax.tokenizer import Tokenizer
 from mage_jax.training.assemble import (
     build_model,
@@ -194,6 +195,49 @@ def test_greedy_engine_gives_the_lockstep_samplers_tokens_and_logprobs(tiny_samp
     assert session.stats.decode_row_steps == sum(rows * n for rows, n in session.stats.bucket_steps.items())
 
 
+def test_a_prompt_copied_after_its_slot_moved_comes_from_the_moved_slot(tiny_sampler, engines):
+    """The donor of a prompt follows its slot when the slot moves. 3 slots, chunk 2: C (prompt P, its
+    response constrained) is moved from slot 2 to slot 0; slot 2 is reused by another prompt; then E
+    arrives with prompt P and copies P's keys and values. Copied from the old slot index it would get the
+    other prompt's, and its greedy tokens would leave the lockstep sampler's; so would C's after the move
+    if its position, cache row, automaton state or tag stayed behind."""
+    sampler, state = tiny_sampler
+    rng = np.random.default_rng(1)
+    x, y, p, q, q2 = (tuple(rng.integers(4, VOCAB, size=n).tolist()) for n in (5, 9, 7, 6, 11))
+    words = automaton_from_word_sequence([10], list(range(20, 40)), [11], 9, VOCAB, [EOS])
+    requests = {  # tag: (prompt, limit, automaton), submitted at the step given by ``arrivals``
+        "A": (x, 1, None), "B": (y, 3, None), "C": (p, 12, words),
+        "D": (q, 12, None), "D2": (q2, 2, None), "E": (p, 12, None),
+    }
+    arrivals = {0: ["A", "B", "C"], 2: ["D", "D2", "E"]}
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    session = engines(3, 2).session(state, params, jax.random.key(0))
+    out, held_by = {}, []  # held_by: the tag in each slot after every step
+    for step in range(40):
+        for tag in arrivals.get(step, []):
+            prompt, limit, automaton = requests[tag]
+            session.submit(EngineRequest(tag, prompt, limit, automaton, (len(held_by), step, 0)))
+        out.update((r.tag, r) for r in session.step())
+        held_by.append({slot: r.tag for slot, r in session.running.items()})
+        if not session.busy:
+            break
+    # The order the issue describes took place: C moved 2 -> 0, D2 reused slot 2, E entered while C ran.
+    assert held_by[0] == {2: "C"} and held_by[1] == {0: "C"}
+    assert held_by[2] == {0: "C", 1: "D"} and "D2" in out  # D2 ran in slot 2 and finished
+    assert held_by[3] == {0: "C", 1: "D", 2: "E"}
+    assert session.stats.prefill_rows == 5  # E's prompt was copied, not prefilled
+    assert session.stats.moves >= 2  # E moved down as well once C and D finished
+    tags = list(requests)
+    ref = sampler.generate(state, [requests[t][0] for t in tags], params, jax.random.key(0),
+                           constraints=[requests[t][2] for t in tags],
+                           max_new_tokens_per_row=np.asarray([requests[t][1] for t in tags]))
+    for i, tag in enumerate(tags):
+        np.testing.assert_array_equal(out[tag].tokens, ref.tokens[i], err_msg=tag)
+        np.testing.assert_allclose(out[tag].logprobs, ref.logprobs[i], atol=1e-5, err_msg=tag)
+        assert out[tag].finished == ref.finished[i], tag
+    assert len(out["C"].tokens) > 5  # C decoded in slot 0 after its move
+
+
 @pytest.mark.slow
 def test_sampled_responses_do_not_depend_on_slots_order_or_company(tiny_sampler, engines):
     _, state = tiny_sampler
@@ -248,8 +292,9 @@ _SHARDED = textwrap.dedent(
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.sharding import MeshConfig, make_mesh, shard_state
     from mage_jax.models.transformer import Transformer
-    from mage_jax.rollout.engine import EngineRequest, RolloutEngine, generate_all
-    from mage_jax.sampling import Sampler, SamplingParams
+    from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
+    from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.step import SamplingParams
 
     config = ModelConfig.preset("tiny", vocab_size=64, num_layers=2, hidden_size=64, intermediate_size=128)
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))

@@ -1,8 +1,8 @@
 """The continuous-batching rollout engine: decode slots that never wait for the slowest row.
 
-A lockstep turn (``sampling.Sampler.generate``) runs until its longest row finishes, and every row
+A lockstep turn (``generate.sampler.Sampler.generate``) runs until its longest row finishes, and every row
 that finished earlier idles until then; every prompt is prefilled from scratch. The engine keeps a
-fixed set of ``slots`` (``slot_sampler.SlotSampler``) busy for a whole rollout instead:
+fixed set of ``slots`` (``generate.slots.SlotSampler``) busy for a whole rollout instead:
 
 * requests queue up (``submit``) and enter free slots in arrival order;
 * ``step`` fills every free slot (one insert program), runs one decode chunk of ``chunk`` steps, and
@@ -18,7 +18,7 @@ Why a chunk of a few steps between host checks: a decode step of all slots is on
 host needs the finished flags to retire slots, and a round trip per token would cost more than the
 token on an accelerator. With ``chunk`` steps a finished slot idles at most ``chunk - 1`` steps.
 
-Each request carries a *key path* from which its sampling keys derive (``slot_sampler.row_keys``), so
+Each request carries a *key path* from which its sampling keys derive (``generate.step.row_keys``), so
 its response does not depend on the slot it ran in or the requests beside it. With greedy decoding
 the tokens equal the lockstep sampler's.
 """
@@ -34,10 +34,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from mage_jax.constraints import TokenAutomaton, stack_automata
+from mage_jax.generate.constraints import TokenAutomaton, stack_automata
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.shapes import pow2
+from mage_jax.generate.slots import DEFAULT_SLOT_LEVELS, Donor, Slots, SlotSampler
+from mage_jax.generate.step import KEY_PATH_LEN, SamplingParams
 from mage_jax.models.sharding import to_host
-from mage_jax.sampling import Sampler, SamplingParams
-from mage_jax.slot_sampler import DEFAULT_SLOT_LEVELS, KEY_PATH_LEN, Donor, Slots, SlotSampler
 
 DEFAULT_CHUNK = 8
 
@@ -119,7 +121,7 @@ class RolloutEngine:
         if params.max_new_tokens > self.kernels.max_new_tokens:
             raise ValueError(f"max_new_tokens {params.max_new_tokens} exceeds the engine's "
                              f"{self.kernels.max_new_tokens}")
-        return EngineSession(self, self.sampler._place_state(state), params, key)
+        return EngineSession(self, self.sampler.place_state(state), params, key)
 
 
 class EngineSession:
@@ -260,7 +262,7 @@ class EngineSession:
         vocab = self.engine.sampler.vocab_size
         states = max((r.automaton.num_states for r in take if r.automaton is not None), default=1)
         if states > self.slots.num_states:
-            self.slots = self.kernels.grow_states(self.slots, _pow2(states))
+            self.slots = self.kernels.grow_states(self.slots, pow2(states))
         table = stack_automata([r.automaton for r in take], vocab, num_states=self.slots.num_states)
         paths = np.asarray([r.key_path for r in take], np.int32)
         self.slots = self.kernels.insert(
@@ -290,6 +292,3 @@ def generate_all(session: EngineSession, requests: Sequence[EngineRequest]) -> d
             out[result.tag] = result
     return out
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())

@@ -5,7 +5,8 @@ with start state 0; EOS is allowed exactly in accepting states. ``automaton_from
 the trie that accepts exactly a list of token sequences followed by EOS ("the response is one of these
 legal action strings", docs/method.md §3's constrained actions).
 
-The sampler (``mage_jax.sampling``) masks each draw with ``allowed_tokens`` of the row's current state;
+The token step of the sampler and the slot programs (``generate.step.token_step``) masks each draw with
+``allowed_tokens`` of the row's current state;
 the train step replays the automaton over the sampled tokens with ``constraint_masks``, so the
 recomputed log-probs describe the same constrained distribution the tokens were drawn from.
 """

@@ -1,4 +1,4 @@
-"""Specification of mage_jax.constraints: the trie automaton of legal completions and its replay."""
+"""Specification of mage_jax.generate.constraints: the trie automaton of legal completions and its replay."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from mage_jax.constraints import (
+from mage_jax.generate.constraints import (
     WordSequence,
     automaton_from_completions,
     automaton_from_word_sequence,

@@ -11,18 +11,12 @@ boundary so a training run compiles a bounded number of times:
   function, donated to it and written in place (prefill fills slots ``0..P-1``, decode step ``i``
   writes slot ``P+i``); the loop exits as soon as every row is finished.
 
-Which distribution is what
---------------------------
-Tokens are drawn from ``softmax(masked_logits / temperature)`` restricted to the top-k / top-p set
-(greedy / temperature 0: argmax of the masked logits). The returned log-prob of a token is always
-``log_softmax(masked_logits)[token]`` at temperature 1 *without* top-k / top-p truncation, where
-``masked_logits`` sets the tokens disallowed by the row's constraint automaton to -inf (no constraint:
-the raw logits). That is exactly what the trainer recomputes with ``temperature=1`` and
-``allowed=constraint_masks(...)``, so sampler and trainer log-probs agree at temperature 1.
+How tokens are chosen (and which log-prob comes back) is ``generate.step``, shared with the
+engine's slot programs.
 
 Stop strings are not checked on device: generation stops on EOS ids only.
 
-Constrained decoding: each row may carry a ``mage_jax.constraints.TokenAutomaton`` (the trie of its
+Constrained decoding: each row may carry a ``generate.constraints.TokenAutomaton`` (the trie of its
 legal action strings); the sampler masks every draw with the row's current state, and the train step
 replays the same automaton (``constraints.constraint_masks``) in the log-prob recompute.
 """
@@ -41,42 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mage_jax.constraints import TokenAutomaton, allowed_tokens, stack_automata
+from mage_jax.generate.constraints import TokenAutomaton, stack_automata
+from mage_jax.generate.shapes import bucket, left_padded, pow2, sorted_buckets
+from mage_jax.generate.step import Choice, SamplingParams, prefill, runtime_values, token_step
 from mage_jax.models.sharding import to_host
 
 DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-_NEG_INF = -jnp.inf
-
-
-# ------------------------------------------------------------------------------------------ params
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. ``temperature=0`` or ``greedy=True`` is argmax; ``top_k=0`` / ``top_p=1`` are off.
-
-    ``top_k`` and whether top-p is on are compile-time switches (one compile per setting); the
-    temperature and the top-p value are runtime values. ``max_new_tokens`` sizes the KV cache.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 256
-    greedy: bool = False
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0):
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.greedy or self.temperature == 0
 
 
 @dataclasses.dataclass
@@ -91,95 +56,12 @@ class GenerationResult:
     batch_buckets: tuple[int, ...] = ()
 
 
-# --------------------------------------------------------------------------------- token choice
-def choose_tokens(
-    logits: jax.Array,
-    allowed: jax.Array | None,
-    key: jax.Array,
-    temperature: jax.Array,
-    top_p: jax.Array,
-    *,
-    greedy: bool,
-    top_k: int,
-    use_top_p: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row; return (token int32[B], log-prob float32[B] at temperature 1, masked)."""
-    logits = logits.astype(jnp.float32)
-    if allowed is not None:
-        logits = jnp.where(allowed, logits, _NEG_INF)
-    logp_all = jax.nn.log_softmax(logits, axis=-1)
-    if greedy:
-        token = jnp.argmax(logits, axis=-1)
-    else:
-        scaled = logits / temperature
-        if top_k > 0:
-            vals, idx = jax.lax.top_k(scaled, top_k)
-            if use_top_p:
-                vals = _top_p_filter_sorted(vals, top_p)
-            pick = sample_categorical(key, vals)
-            token = jnp.take_along_axis(idx, pick[:, None], axis=1)[:, 0]
-        else:
-            if use_top_p:
-                vals = jnp.sort(scaled, axis=-1)[:, ::-1]
-                kept = _top_p_filter_sorted(vals, top_p)
-                # The smallest kept logit is the threshold; ties at it are all kept.
-                threshold = jnp.min(jnp.where(jnp.isfinite(kept), kept, jnp.inf), axis=-1, keepdims=True)
-                scaled = jnp.where(scaled >= threshold, scaled, _NEG_INF)
-            token = sample_categorical(key, scaled)
-    token = token.astype(jnp.int32)
-    logp = jnp.take_along_axis(logp_all, token[:, None], axis=1)[:, 0]
-    return token, logp
-
-
-def sample_categorical(key: jax.Array, logits: jax.Array, *, block: int = 256) -> jax.Array:
-    """One draw per row from softmax(logits) [B,V] by inverting the CDF with one uniform per row.
-
-    The same distribution as ``jax.random.categorical`` (Gumbel-max), but with B random numbers
-    instead of B*V and a two-level CDF (block sums, then the one chosen block) instead of a prefix
-    sum over V: on CPU the Gumbel noise of a large vocabulary costs more than the model's decode step.
-    Tokens of probability 0 (-inf logits) are never drawn.
-    """
-    rows, vocab = logits.shape
-    logits = logits.astype(jnp.float32)
-    block = min(block, vocab)
-    blocks = -(-vocab // block)
-    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
-    shifted = jnp.pad(shifted, ((0, 0), (0, blocks * block - vocab)), constant_values=-jnp.inf)
-    weights = jnp.exp(shifted.reshape(rows, blocks, block))  # unnormalised probabilities
-    mass = weights.sum(axis=-1)  # [B, blocks]
-    cdf = jnp.cumsum(mass, axis=-1)
-    u = jax.random.uniform(key, (rows, 1), jnp.float32) * cdf[:, -1:]
-    chosen = _first_above(cdf, u, mass)
-    inner = jnp.take_along_axis(weights, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
-    below = jnp.take_along_axis(cdf - mass, chosen[:, None], axis=1)
-    offset = _first_above(jnp.cumsum(inner, axis=-1), u - below, inner)
-    return (chosen * block + offset).astype(jnp.int32)
-
-
-def _first_above(cdf: jax.Array, u: jax.Array, mass: jax.Array) -> jax.Array:
-    """Index of the first cdf entry above u; rounding past the end falls back to the last entry with mass."""
-    index = jnp.sum(cdf <= u, axis=-1)
-    last = mass.shape[-1] - 1 - jnp.argmax((mass > 0)[:, ::-1], axis=-1)
-    return jnp.minimum(index, last)
-
-
-def _top_p_filter_sorted(sorted_logits: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Keep the smallest prefix of descending logits whose probability mass reaches top_p (at least one)."""
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < top_p
-    keep = keep.at[:, 0].set(True)
-    return jnp.where(keep, sorted_logits, _NEG_INF)
-
-
 # -------------------------------------------------------------------------------------- sampler
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything that selects a compiled program (besides array shapes)."""
+class Program:
+    """Everything that selects a compiled lockstep program besides array shapes."""
 
-    greedy: bool
-    top_k: int
-    use_top_p: bool
+    choice: Choice
     constrained: bool
 
 
@@ -218,13 +100,13 @@ class Sampler:
                 raise ValueError(
                     f"special token id {tid} is outside the model vocabulary [0, {self.vocab_size})"
                 )
-        self.prompt_buckets = _sorted_buckets(prompt_buckets, "prompt_buckets")
-        self.batch_buckets = _sorted_buckets(batch_buckets, "batch_buckets")
+        self.prompt_buckets = sorted_buckets(prompt_buckets, "prompt_buckets")
+        self.batch_buckets = sorted_buckets(batch_buckets, "batch_buckets")
         self.cache_dtype = cache_dtype
         self.mesh = mesh
         self.state_shardings = state_shardings
         self.compile_count = 0
-        self._compiled: dict[_Static, Callable] = {}
+        self._compiled: dict[Program, Callable] = {}
         self._init_cache_fns: dict[tuple[int, int], Callable] = {}
 
     # ----------------------------------------------------------------------------- public entry
@@ -245,7 +127,7 @@ class Sampler:
         """
         n = len(prompts)
         lengths = [len(p) for p in prompts]
-        state = self._place_state(state)
+        state = self.place_state(state)
         if n == 0:
             return GenerationResult([], [], np.zeros(0, bool), self.compile_count)
         if min(lengths) == 0:
@@ -257,7 +139,7 @@ class Sampler:
                 f"prompt {row} has {longest} tokens, longer than the largest prompt bucket "
                 f"({self.prompt_buckets[-1]}); shorten the prompt or add a larger bucket"
             )
-        prompt_bucket = _bucket(longest, self.prompt_buckets)
+        prompt_bucket = bucket(longest, self.prompt_buckets)
         limits = self._row_limits(max_new_tokens_per_row, n, params.max_new_tokens)
         automata = self._row_automata(constraints, n)
 
@@ -316,7 +198,7 @@ class Sampler:
 
     def _generate_chunk(self, state, prompts, limits, automata, prompt_bucket, params, key):
         n = len(prompts)
-        batch = _bucket(n, self.batch_buckets)
+        batch = bucket(n, self.batch_buckets)
         tokens, valid = left_padded(prompts, batch, prompt_bucket, pad_id=self.pad_id,
                                     vocab_size=self.vocab_size)
         row_limits = np.zeros(batch, np.int32)  # dummy rows: limit 0, finished before the first step
@@ -325,20 +207,11 @@ class Sampler:
         if automata is not None:
             states = max(1 if a is None else a.num_states for a in automata)
             transitions = stack_automata(
-                list(automata) + [None] * (batch - n), self.vocab_size, num_states=_pow2(states)
+                list(automata) + [None] * (batch - n), self.vocab_size, num_states=pow2(states)
             )
-        static = _Static(
-            greedy=params.is_greedy,
-            top_k=min(params.top_k, self.vocab_size),
-            use_top_p=params.top_p < 1.0,
-            constrained=transitions is not None,
-        )
-        fn = self._compiled.get(static)
-        if fn is None:
-            fn = self._build(static)
-            self._compiled[static] = fn
+        fn = self._program(Program(Choice.of(params, self.vocab_size), constrained=transitions is not None))
         cache = self._init_cache(batch, prompt_bucket + params.max_new_tokens)
-        temperature = np.float32(params.temperature if params.temperature > 0 else 1.0)
+        temperature, top_p = runtime_values(params)
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             out_tokens, out_logps, lengths, finished = fn(
                 state,
@@ -346,13 +219,38 @@ class Sampler:
                 *self._place_batch(tokens, valid, row_limits, transitions),
                 key,
                 temperature,
-                np.float32(params.top_p),
+                top_p,
             )
         out_tokens, out_logps, lengths, finished = (to_host(a) for a in (out_tokens, out_logps, lengths,
                                                                           finished))
         toks = [out_tokens[r, : lengths[r]].copy() for r in range(n)]
         lps = [out_logps[r, : lengths[r]].copy() for r in range(n)]
         return toks, lps, finished[:n].copy(), batch
+
+    def _program(self, program: Program) -> Callable:
+        fn = self._compiled.get(program)
+        if fn is None:
+            fn = self._compiled[program] = self._build(program)
+        return fn
+
+    def lower(self, state: Any, params: SamplingParams, *, rows: int, prompt_len: int) -> jax.stages.Lowered:
+        """The lockstep program of ``rows`` unconstrained prompts of ``prompt_len`` tokens and
+        ``params.max_new_tokens`` new ones, lowered ahead of time for ``state`` (arrays or
+        ``ShapeDtypeStruct`` leaves with their shardings) with its KV cache; nothing is allocated."""
+        from mage_jax.models.transformer import init_cache
+
+        cache = jax.eval_shape(lambda: init_cache(self.config, rows, prompt_len + params.max_new_tokens,
+                                                  self.cache_dtype))
+        if self.mesh is not None:
+            from mage_jax.models.sharding import cache_sharding
+
+            sharding = cache_sharding(self.config, self.mesh, rows)
+            cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), cache)
+        batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=self._row_sharding(rows)) for shape, dtype in
+                 (((rows, prompt_len), jnp.int32), ((rows, prompt_len), jnp.bool_), ((rows,), jnp.int32))]
+        fn = self._program(Program(Choice.of(params, self.vocab_size), constrained=False))
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            return fn.lower(state, cache, *batch, None, jax.random.key(0), *runtime_values(params))
 
     def _init_cache(self, batch: int, max_len: int):
         """A zero cache (mesh: cache sharding), donated to the jitted loop and written in place."""
@@ -370,7 +268,8 @@ class Sampler:
             self._init_cache_fns[(batch, max_len)] = fn
         return fn()
 
-    def _place_state(self, state):
+    def place_state(self, state: Any) -> Any:
+        """``state`` placed with the sampler's parameter shardings (as it is without a mesh)."""
         if self.mesh is None and self.state_shardings is None:
             return state
         if self.state_shardings is None:
@@ -379,24 +278,23 @@ class Sampler:
             self.state_shardings = param_shardings(state, self.mesh)
         return jax.device_put(state, self.state_shardings)
 
-    def _place_batch(self, *arrays):
-        """Rows over the mesh's batch axes (replicated when the bucket does not divide them)."""
+    def _row_sharding(self, rows: int) -> Any:
+        """Rows over the mesh's batch axes (replicated when ``rows`` does not divide them); None: no mesh."""
         if self.mesh is None:
-            return arrays
+            return None
         from mage_jax.models.sharding import batch_sharding, replicated
 
         rows_sharding = batch_sharding(self.mesh)
         divisor = math.prod(self.mesh.shape[a] for a in rows_sharding.spec[0])
-        placed = []
-        for a in arrays:
-            if a is None:
-                placed.append(None)
-                continue
-            sharding = rows_sharding if a.shape[0] % divisor == 0 else replicated(self.mesh)
-            placed.append(jax.device_put(a, sharding))
-        return placed
+        return rows_sharding if rows % divisor == 0 else replicated(self.mesh)
 
-    def _build(self, static: _Static) -> Callable:
+    def _place_batch(self, *arrays):
+        """Every array placed with ``_row_sharding`` of its rows (None stays None)."""
+        if self.mesh is None:
+            return arrays
+        return [None if a is None else jax.device_put(a, self._row_sharding(a.shape[0])) for a in arrays]
+
+    def _build(self, program: Program) -> Callable:
         graphdef = self.graphdef
         eos_ids = jnp.asarray(self.eos_ids, jnp.int32)
         pad_id = self.pad_id
@@ -407,53 +305,32 @@ class Sampler:
             batch, prompt_len = tokens.shape
             max_len = cache.max_len
             max_new = max_len - prompt_len
-            choose = functools.partial(
-                choose_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                greedy=static.greedy,
-                top_k=static.top_k,
-                use_top_p=static.use_top_p,
-            )
+            table = transitions if program.constrained else None
 
-            # Prefill: causal attention among the P prompt tokens only (left padding is segment 0),
-            # their keys and values written at slots 0..P-1.
-            positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0).astype(jnp.int32)
-            hidden, cache = model(tokens, positions, valid, cache, jnp.int32(0))
+            def pick(step, logits, auto_state, done):
+                """Choose token `step` for every row (one key for the batch)."""
+                return token_step(logits, table, auto_state, jax.random.fold_in(key, step), done,
+                                  temperature, top_p, choice=program.choice, eos_ids=eos_ids, pad_id=pad_id)
+
+            hidden, cache = prefill(model, tokens, valid, cache)
             logits = model.logits(hidden[:, -1:, :])[:, 0]
             prompt_lens = valid.sum(axis=-1).astype(jnp.int32)
             kv_start = (prompt_len - prompt_lens).astype(jnp.int32)  # each row's first real slot
 
-            def pick(step, logits, auto_state, done):
-                """Choose token `step` for every row and update the bookkeeping."""
-                allowed = nxt = None
-                if static.constrained:
-                    allowed, nxt = allowed_tokens(transitions, auto_state)
-                token, logp = choose(logits, allowed, jax.random.fold_in(key, step))
-                token = jnp.where(done, pad_id, token)
-                logp = jnp.where(done, 0.0, logp)
-                if static.constrained:
-                    auto_state = jnp.take_along_axis(nxt, token[:, None], axis=1)[:, 0]
-                hit_eos = (token[:, None] == eos_ids[None, :]).any(axis=-1) & ~done
-                return token, logp, auto_state, hit_eos
-
             done0 = limits <= 0
             out_tokens = jnp.full((batch, max_new), pad_id, jnp.int32)
             out_logps = jnp.zeros((batch, max_new), jnp.float32)
-            auto0 = jnp.zeros((batch,), jnp.int32)
-            token, logp, auto_state, hit_eos = pick(jnp.int32(0), logits, auto0, done0)
+            drawn = pick(jnp.int32(0), logits, jnp.zeros((batch,), jnp.int32), done0)
             lengths = jnp.where(done0, 0, 1).astype(jnp.int32)
-            finished = hit_eos
-            done = done0 | hit_eos | (lengths >= limits)
             carry = (
                 jnp.int32(1),
                 cache,
-                token,
-                out_tokens.at[:, 0].set(token),
-                out_logps.at[:, 0].set(logp),
-                auto_state,
-                done,
-                finished,
+                drawn.token,
+                out_tokens.at[:, 0].set(drawn.token),
+                out_logps.at[:, 0].set(drawn.logp),
+                drawn.auto,
+                done0 | drawn.eos | (lengths >= limits),
+                drawn.eos,
                 lengths,
             )
 
@@ -466,14 +343,14 @@ class Sampler:
                 slot = prompt_len + step - 1  # the previous token goes into this cache slot
                 pos = (prompt_lens + step - 1)[:, None]
                 hidden, cache = model(prev[:, None], pos, cache=cache, cache_index=slot, kv_start=kv_start)
-                logits = model.logits(hidden)[:, 0]
-                token, logp, auto_state, hit_eos = pick(step, logits, auto_state, done)
+                drawn = pick(step, model.logits(hidden)[:, 0], auto_state, done)
                 lengths = lengths + (~done).astype(jnp.int32)
-                finished = finished | hit_eos
-                done = done | hit_eos | (lengths >= limits)
-                out_tokens = jax.lax.dynamic_update_slice(out_tokens, token[:, None], (0, step))
-                out_logps = jax.lax.dynamic_update_slice(out_logps, logp[:, None], (0, step))
-                return step + 1, cache, token, out_tokens, out_logps, auto_state, done, finished, lengths
+                finished = finished | drawn.eos
+                done = done | drawn.eos | (lengths >= limits)
+                out_tokens = jax.lax.dynamic_update_slice(out_tokens, drawn.token[:, None], (0, step))
+                out_logps = jax.lax.dynamic_update_slice(out_logps, drawn.logp[:, None], (0, step))
+                return (step + 1, cache, drawn.token, out_tokens, out_logps, drawn.auto, done, finished,
+                        lengths)
 
             carry = jax.lax.while_loop(cond, body, carry)
             _, cache, _, out_tokens, out_logps, _, _, finished, lengths = carry
@@ -487,38 +364,5 @@ class Sampler:
             )
             return out_tokens, out_logps, lengths, finished
 
-        call.lower = jitted.lower  # ahead-of-time compilation (memory analysis of a preset)
+        call.lower = jitted.lower  # ahead-of-time lowering: ``lower``
         return call
-
-
-def left_padded(prompts: Sequence[Sequence[int]], rows: int, length: int, *, pad_id: int,
-                vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, valid) int32 / bool [rows, length]: each prompt right-aligned (left padding, so every
-    row's next token is at the same column); rows past ``len(prompts)`` are all padding."""
-    tokens = np.full((rows, length), pad_id, np.int32)
-    valid = np.zeros((rows, length), bool)
-    for row, prompt in enumerate(prompts):
-        ids = np.asarray(prompt, np.int64)
-        if ids.min() < 0 or ids.max() >= vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-        tokens[row, length - len(ids):] = ids
-        valid[row, length - len(ids):] = True
-    return tokens, valid
-
-
-def _sorted_buckets(buckets: Sequence[int], name: str) -> tuple[int, ...]:
-    out = tuple(sorted({int(b) for b in buckets}))
-    if not out or out[0] <= 0:
-        raise ValueError(f"{name} must be non-empty positive integers, got {tuple(buckets)!r}")
-    return out
-
-
-def _bucket(n: int, buckets: tuple[int, ...]) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    return buckets[-1]
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())

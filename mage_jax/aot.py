@@ -1,0 +1,104 @@
+"""Ahead-of-time lowering of the programs a run executes, for memory plans (``experiments/plan.py``).
+
+Every function takes the pieces the trainer builds (``training.assemble``: the train step, the sampler,
+the rollout engine) and *abstract* parameters (``jax.ShapeDtypeStruct`` leaves carrying their
+shardings), and returns a ``jax.stages.Lowered`` of the very program the run jits; ``.compile()`` then
+gives XLA's memory and cost analysis per device without allocating anything:
+
+* ``lower_train_grads``: the loss-and-gradient program of one mini-batch (``TrainStep.update``);
+* ``lower_train_apply``: the optimizer step (state donated);
+* ``lower_logprobs``: the old / reference log-prob recompute (``TrainStep.compute_logprobs``);
+* ``lower_rollout``: the rollout's generation programs: the engine's ``insert`` (prefill of every slot
+  at the longest prompt bucket) and ``decode`` (one chunk of every slot over the whole cache), or with
+  ``rollout.engine=lockstep`` the lockstep sampler's program for its largest call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mage_jax.generate.engine import RolloutEngine
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import SamplingParams
+from mage_jax.models.sharding import BATCH_AXES, replicated
+from mage_jax.training.train_step import TrainBatch, TrainState, TrainStep
+
+
+def abstract_rows(mesh: Any, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    """An abstract array placed as ``TrainStep.place_batch`` places rows: over the batch axes when they
+    divide them, else replicated."""
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    lead = BATCH_AXES if shape[0] % ways == 0 else None
+    spec = PartitionSpec(lead, *([None] * (len(shape) - 1)))
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, spec))
+
+
+def abstract_train_batch(step: TrainStep, rows: int, length: int, *, update: bool) -> TrainBatch:
+    """An abstract ``TrainBatch`` of ``rows`` x ``length`` (``update``: with advantages and old /
+    reference log-probs, as ``update`` receives it; else as ``compute_logprobs`` does)."""
+    mesh = step.mesh
+    fields = {name: abstract_rows(mesh, (rows, length), dtype) for name, dtype in (
+        ("tokens", jnp.int32), ("positions", jnp.int32), ("token_mask", jnp.bool_), ("targets", jnp.int32),
+        ("response_mask", jnp.bool_))}
+    fields["prompt_lengths"] = abstract_rows(mesh, (rows,), jnp.int32)
+    if update:
+        fields["advantages"] = abstract_rows(mesh, (rows,), jnp.float32)
+        fields["old_logprobs"] = abstract_rows(mesh, (rows, length), jnp.float32)
+        if step.config.kl_coef > 0:
+            fields["ref_logprobs"] = abstract_rows(mesh, (rows, length), jnp.float32)
+    return TrainBatch(**fields)
+
+
+def _update_programs(step: TrainStep, params: Any, opt_state: Any) -> tuple[Any, Any]:
+    return step.update_programs(step.state_shardings(TrainState(params, opt_state, None)))
+
+
+def lower_train_grads(step: TrainStep, params: Any, opt_state: Any, rows: int,
+                      length: int) -> jax.stages.Lowered:
+    """The loss-and-gradient program of a mini-batch of ``rows`` x ``length``, as ``update`` runs it."""
+    grads, _ = _update_programs(step, params, opt_state)
+    with jax.set_mesh(step.mesh):
+        return grads.lower(params, abstract_train_batch(step, rows, length, update=True))
+
+
+def lower_train_apply(step: TrainStep, params: Any, opt_state: Any, rows: int) -> jax.stages.Lowered:
+    """The optimizer step (the state donated), as ``update`` runs it after the gradients."""
+    grads_program, apply = _update_programs(step, params, opt_state)
+    one = replicated(step.mesh)
+    state = TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=one))
+    with jax.set_mesh(step.mesh):
+        grads, metrics = jax.eval_shape(grads_program, params,
+                                        abstract_train_batch(step, rows, 8, update=True))
+    trainable = step.trainable(params)[0]  # every parameter, or the LoRA adapters only
+    grads = jax.tree.map(lambda g, p: jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=p.sharding), grads,
+                         trainable)
+    metrics = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), metrics)
+    return apply.lower(state, grads, metrics, jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def lower_logprobs(step: TrainStep, params: Any, rows: int, length: int) -> jax.stages.Lowered:
+    """The old / reference log-prob recompute of ``rows`` x ``length``, as ``compute_logprobs`` runs it."""
+    with jax.set_mesh(step.mesh):
+        return step.logprobs_program().lower(params, abstract_train_batch(step, rows, length, update=False),
+                                             True)
+
+
+def lower_rollout(sampler: Sampler, engine: RolloutEngine | None, params: Any,
+                  sampling: SamplingParams) -> dict[str, jax.stages.Lowered]:
+    """The rollout's generation programs at their largest shapes, by name: the engine's ``insert``
+    (every slot prefilled from its own prompt of the longest prompt bucket) and ``decode`` (a chunk of
+    every slot over the whole cache); without an engine the ``lockstep`` sampler's largest call."""
+    prompt = sampler.prompt_buckets[-1]
+    if engine is None:
+        rows = sampler.batch_buckets[-1]
+        return {"lockstep": sampler.lower(params, sampling, rows=rows, prompt_len=prompt)}
+    kernels = engine.kernels
+    return {
+        "insert": kernels.lower_insert(params, sampling, prompts=kernels.num_slots, targets=kernels.num_slots,
+                                       prompt_len=prompt),
+        "decode": kernels.lower_decode(params, sampling),
+    }

@@ -1,0 +1,228 @@
+"""The per-token step every generation program runs, and the prefill that precedes it.
+
+Both device paths (the lockstep ``sampler.Sampler`` and the engine's slot programs in ``slots``) draw a
+token the same way: mask the logits with the row's automaton state, choose (``choose_tokens``), advance
+the automaton, detect the end of the sequence, and mark rows done. ``token_step`` is that step, written
+once; ``prefill`` is the prompt pass before it.
+
+Which distribution is what
+--------------------------
+Tokens are drawn from ``softmax(masked_logits / temperature)`` restricted to the top-k / top-p set
+(greedy / temperature 0: argmax of the masked logits). The returned log-prob of a token is always
+``log_softmax(masked_logits)[token]`` at temperature 1 *without* top-k / top-p truncation, where
+``masked_logits`` sets the tokens disallowed by the row's constraint automaton to -inf (no constraint:
+the raw logits). That is exactly what the trainer recomputes with ``temperature=1`` and
+``allowed=constraint_masks(...)``, so sampler and trainer log-probs agree at temperature 1.
+
+Randomness: the lockstep sampler draws a step's tokens with one key for the whole batch; the engine
+gives every row its own key (``row_keys``: the request's *key path*, then the token index), so a
+response does not depend on the slot it ran in or on the requests beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mage_jax.generate.constraints import allowed_tokens
+from mage_jax.models.transformer import positions_from_mask
+
+KEY_PATH_LEN = 3
+_NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature=0`` or ``greedy=True`` is argmax; ``top_k=0`` / ``top_p=1`` are off.
+
+    ``top_k`` and whether top-p is on are compile-time switches (one compile per setting); the
+    temperature and the top-p value are runtime values. ``max_new_tokens`` sizes the KV cache.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0):
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The compile-time part of ``SamplingParams`` for a vocabulary (one program per value)."""
+
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+
+    @classmethod
+    def of(cls, params: SamplingParams, vocab_size: int) -> Choice:
+        return cls(params.is_greedy, min(params.top_k, vocab_size), params.top_p < 1.0)
+
+
+def runtime_values(params: SamplingParams) -> tuple[np.float32, np.float32]:
+    """The runtime part of ``params``: (temperature, top_p) as program arguments."""
+    return np.float32(params.temperature if params.temperature > 0 else 1.0), np.float32(params.top_p)
+
+
+# --------------------------------------------------------------------------------- token choice
+def choose_tokens(
+    logits: jax.Array,
+    allowed: jax.Array | None,
+    key: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    *,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row; return (token int32[B], log-prob float32[B] at temperature 1, masked)."""
+    logits = logits.astype(jnp.float32)
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, _NEG_INF)
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    if greedy:
+        token = jnp.argmax(logits, axis=-1)
+    else:
+        scaled = logits / temperature
+        if top_k > 0:
+            vals, idx = jax.lax.top_k(scaled, top_k)
+            if use_top_p:
+                vals = _top_p_filter_sorted(vals, top_p)
+            pick = sample_categorical(key, vals)
+            token = jnp.take_along_axis(idx, pick[:, None], axis=1)[:, 0]
+        else:
+            if use_top_p:
+                vals = jnp.sort(scaled, axis=-1)[:, ::-1]
+                kept = _top_p_filter_sorted(vals, top_p)
+                # The smallest kept logit is the threshold; ties at it are all kept.
+                threshold = jnp.min(jnp.where(jnp.isfinite(kept), kept, jnp.inf), axis=-1, keepdims=True)
+                scaled = jnp.where(scaled >= threshold, scaled, _NEG_INF)
+            token = sample_categorical(key, scaled)
+    token = token.astype(jnp.int32)
+    logp = jnp.take_along_axis(logp_all, token[:, None], axis=1)[:, 0]
+    return token, logp
+
+
+def sample_categorical(key: jax.Array, logits: jax.Array, *, block: int = 256) -> jax.Array:
+    """One draw per row from softmax(logits) [B,V] by inverting the CDF with one uniform per row.
+
+    The same distribution as ``jax.random.categorical`` (Gumbel-max), but with B random numbers
+    instead of B*V and a two-level CDF (block sums, then the one chosen block) instead of a prefix
+    sum over V: on CPU the Gumbel noise of a large vocabulary costs more than the model's decode step.
+    Tokens of probability 0 (-inf logits) are never drawn.
+    """
+    rows, vocab = logits.shape
+    logits = logits.astype(jnp.float32)
+    block = min(block, vocab)
+    blocks = -(-vocab // block)
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    shifted = jnp.pad(shifted, ((0, 0), (0, blocks * block - vocab)), constant_values=-jnp.inf)
+    weights = jnp.exp(shifted.reshape(rows, blocks, block))  # unnormalised probabilities
+    mass = weights.sum(axis=-1)  # [B, blocks]
+    cdf = jnp.cumsum(mass, axis=-1)
+    u = jax.random.uniform(key, (rows, 1), jnp.float32) * cdf[:, -1:]
+    chosen = _first_above(cdf, u, mass)
+    inner = jnp.take_along_axis(weights, chosen[:, None, None], axis=1)[:, 0]  # [B, block]
+    below = jnp.take_along_axis(cdf - mass, chosen[:, None], axis=1)
+    offset = _first_above(jnp.cumsum(inner, axis=-1), u - below, inner)
+    return (chosen * block + offset).astype(jnp.int32)
+
+
+def _first_above(cdf: jax.Array, u: jax.Array, mass: jax.Array) -> jax.Array:
+    """Index of the first cdf entry above u; rounding past the end falls back to the last entry with mass."""
+    index = jnp.sum(cdf <= u, axis=-1)
+    last = mass.shape[-1] - 1 - jnp.argmax((mass > 0)[:, ::-1], axis=-1)
+    return jnp.minimum(index, last)
+
+
+def _top_p_filter_sorted(sorted_logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Keep the smallest prefix of descending logits whose probability mass reaches top_p (at least one)."""
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < top_p
+    keep = keep.at[:, 0].set(True)
+    return jnp.where(keep, sorted_logits, _NEG_INF)
+
+
+def row_keys(key: jax.Array, key_path: jax.Array, step: jax.Array) -> jax.Array:
+    """One PRNG key per row: ``key`` folded with the row's key path, then with the token index."""
+
+    def one(path, i):
+        k = key
+        for j in range(KEY_PATH_LEN):
+            k = jax.random.fold_in(k, path[j])
+        return jax.random.fold_in(k, i)
+
+    return jax.vmap(one)(key_path, step)
+
+
+def _choose(logits, allowed, key, temperature, top_p, choice: Choice):
+    """``choose_tokens`` with one key for the batch (a scalar key) or one key per row (keys [B]; greedy
+    needs none and runs batched)."""
+    if key.ndim == 0 or choice.greedy:
+        return choose_tokens(logits, allowed, key if key.ndim == 0 else key[0], temperature, top_p,
+                             greedy=choice.greedy, top_k=choice.top_k, use_top_p=choice.use_top_p)
+
+    def one(lg, al, k):
+        tok, lp = choose_tokens(lg[None], None if al is None else al[None], k, temperature, top_p,
+                                greedy=False, top_k=choice.top_k, use_top_p=choice.use_top_p)
+        return tok[0], lp[0]
+
+    return jax.vmap(one)(logits, allowed, key)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+    """One step's outcome per row: the token (pad where the row was done), its log-prob (0 there), the
+    automaton state after it, and whether it is an end-of-sequence token."""
+
+    token: jax.Array
+    logp: jax.Array
+    auto: jax.Array
+    eos: jax.Array
+
+
+def token_step(logits: jax.Array, transitions: jax.Array | None, auto: jax.Array, key: jax.Array,
+               done: jax.Array, temperature: jax.Array, top_p: jax.Array, *, choice: Choice,
+               eos_ids: jax.Array, pad_id: int) -> Drawn:
+    """Mask ``logits`` [B, V] with each row's automaton state (``transitions`` [B, Q, V]; None:
+    unconstrained), choose a token, advance the automaton and detect EOS. Rows already ``done`` draw
+    ``pad_id`` with log-prob 0 and keep their state. ``key``: one key for the batch, or one per row."""
+    allowed = nxt = None
+    if transitions is not None:
+        allowed, nxt = allowed_tokens(transitions, auto)
+    token, logp = _choose(logits, allowed, key, temperature, top_p, choice)
+    token = jnp.where(done, pad_id, token)
+    logp = jnp.where(done, 0.0, logp)
+    if nxt is not None:
+        auto = jnp.where(done, auto, jnp.take_along_axis(nxt, token[:, None], axis=1)[:, 0])
+    eos = (token[:, None] == eos_ids[None, :]).any(axis=-1) & ~done
+    return Drawn(token, logp, auto, eos)
+
+
+def prefill(model: Any, tokens: jax.Array, valid: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+    """The prompt pass: left-padded ``tokens`` [B, P] (``valid`` marks the real ones) attend causally
+    among the real tokens only; their keys and values fill cache positions 0..P-1. Returns the hidden
+    states [B, P, H] and the cache."""
+    return model(tokens, positions_from_mask(valid), valid, cache, jnp.int32(0))

@@ -1,0 +1,117 @@
+"""Specification of mage_jax.generate.slots, the engine's device programs: ``insert`` prefills prompts
+(once per distinct prompt, or copied from a donor slot) and draws each slot's first token, ``decode``
+runs a chunk of steps of the slots still decoding, ``move`` carries a slot (cache row and every per-slot
+field) to another slot. Driven by hand here; the scheduling is the engine's (test_engine.py)."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mage_jax.generate.constraints import stack_automata
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.slots import Donor, SlotSampler
+from mage_jax.generate.step import SamplingParams
+from mage_jax.models.config import ModelConfig
+from mage_jax.models.transformer import Transformer
+
+VOCAB, EOS, PAD = 64, 3, 0
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = ModelConfig.preset("tiny", vocab_size=VOCAB, num_layers=2, hidden_size=64, intermediate_size=128)
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    sampler = Sampler(graphdef, config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(16,), batch_buckets=(4,))
+    kernels = SlotSampler(sampler, slots=4, max_new_tokens=6, chunk=6)
+    reference = sampler.generate(state, PROMPTS, GREEDY, jax.random.key(0))
+    return sampler, kernels, state, reference
+
+
+def insert(kernels, state, slots, prompts, source, targets, donors=None):
+    t = len(targets)
+    return kernels.insert(state, slots, prompts, source, targets, [6] * t,
+                          stack_automata([None] * t, VOCAB, num_states=slots.num_states),
+                          np.asarray([[i, 0, 0] for i in range(t)], np.int32), GREEDY, jax.random.key(0),
+                          donors)
+
+
+def response(slots, s):
+    n = int(slots.length[s])
+    return np.asarray(slots.tokens[s, :n]).tolist()
+
+
+def test_insert_then_decode_gives_the_lockstep_samplers_greedy_tokens(tiny):
+    _, kernels, state, reference = tiny
+    # Three prompts, the first one twice (prefilled once, copied into two slots).
+    slots = insert(kernels, state, kernels.empty(), PROMPTS, [0, 1, 2, 0], [0, 1, 2, 3])
+    assert np.asarray(slots.length).tolist() == [1, 1, 1, 1]  # the first token comes from the prefill
+    slots, steps = kernels.decode(state, slots, GREEDY, jax.random.key(0))
+    assert int(steps) <= 6 and bool(np.asarray(slots.done).all())
+    for s, p in enumerate([0, 1, 2, 0]):
+        assert response(slots, s) == reference.tokens[p].tolist()
+        np.testing.assert_allclose(np.asarray(slots.logprobs[s, :len(reference.logprobs[p])]),
+                                   reference.logprobs[p], atol=1e-5)
+
+
+def test_a_prompt_copied_from_a_donor_slot_decodes_like_a_prefilled_one(tiny):
+    _, kernels, state, reference = tiny
+    slots = insert(kernels, state, kernels.empty(), [PROMPTS[1]], [0], [2])
+    # Slot 2 holds prompt 1 at positions bucket - length .. bucket - 1: slot 0 copies it, no prefill.
+    donor = Donor(slot=2, bucket=16, length=len(PROMPTS[1]))
+    slots = insert(kernels, state, slots, [], [0], [0], donors=[donor])
+    slots, _ = kernels.decode(state, slots, GREEDY, jax.random.key(0))
+    assert response(slots, 0) == response(slots, 2) == reference.tokens[1].tolist()
+
+
+def test_a_moved_slot_carries_its_cache_row_and_every_field_and_decodes_on(tiny):
+    _, kernels, state, reference = tiny
+    slots = insert(kernels, state, kernels.empty(), PROMPTS[:2], [0, 1], [1, 3])
+    before = jax.tree.map(np.asarray, slots)
+    moved = kernels.move(slots, [(3, 0)])
+    after = jax.tree.map(np.asarray, moved)
+    for name in ("last", "write", "position", "kv_start", "length", "limit", "finished", "auto", "key_path",
+                 "tokens", "logprobs", "prompt_hidden", "transitions"):
+        np.testing.assert_array_equal(getattr(after, name)[0], getattr(before, name)[3], err_msg=name)
+    for k_after, k_before in zip(after.cache.k + after.cache.v, before.cache.k + before.cache.v):
+        np.testing.assert_array_equal(k_after[0], k_before[3])
+    assert bool(after.done[3]) and not bool(after.done[0])  # the source is free, the target runs
+    np.testing.assert_array_equal(after.tokens[1], before.tokens[1])  # other slots untouched
+    moved, _ = kernels.decode(state, moved, GREEDY, jax.random.key(0))
+    assert response(moved, 0) == reference.tokens[1].tolist()
+    assert response(moved, 1) == reference.tokens[0].tolist()
+
+
+def test_a_decode_over_a_slot_bucket_leaves_the_other_slots_alone(tiny):
+    _, kernels, state, reference = tiny
+    assert kernels.slot_buckets == (1, 2, 4)
+    slots = insert(kernels, state, kernels.empty(), PROMPTS[:2], [0, 1], [0, 3])
+    before = jax.tree.map(np.asarray, slots)
+    slots, _ = kernels.decode(state, slots, GREEDY, jax.random.key(0), bucket=1)
+    assert response(slots, 0) == reference.tokens[0].tolist()
+    np.testing.assert_array_equal(np.asarray(slots.tokens[3]), before.tokens[3])  # outside the bucket
+    assert int(slots.length[3]) == 1
+    with pytest.raises(ValueError, match="slot bucket 3"):
+        kernels.decode(state, slots, GREEDY, jax.random.key(0), bucket=3)
+
+
+def test_bad_inserts_are_one_clear_error(tiny):
+    _, kernels, state, _ = tiny
+    with pytest.raises(ValueError, match="needs a prompt to prefill"):
+        insert(kernels, state, kernels.empty(), [], [0], [0])
+    with pytest.raises(ValueError, match="prompts must have"):
+        insert(kernels, state, kernels.empty(), [list(range(4, 21))], [0], [0])
+    with pytest.raises(ValueError, match="multiple of the mesh"):
+        SlotSampler(on_a_mesh(kernels.sampler), slots=3, max_new_tokens=4, chunk=2)
+
+
+def on_a_mesh(sampler):
+    """``sampler`` as a SlotSampler sees it on a mesh of 2 x 2 batch ways (it reads the axis sizes)."""
+    mesh = types.SimpleNamespace(shape={"data": 2, "fsdp": 2})
+    return types.SimpleNamespace(**{**vars(sampler), "mesh": mesh})

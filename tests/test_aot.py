@@ -1,0 +1,32 @@
+"""Specification of mage_jax.aot: the programs a run executes, lowered ahead of time from abstract
+parameters (nothing allocated), so a memory plan measures what the run compiles."""
+
+import jax
+from flax import nnx
+
+from mage_jax import aot
+from mage_jax.generate.engine import RolloutEngine
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import SamplingParams
+from mage_jax.models.config import ModelConfig
+from mage_jax.models.transformer import Transformer
+
+
+def test_the_rollout_lowers_the_engines_insert_and_decode_or_the_lockstep_program():
+    config = ModelConfig.preset("tiny", vocab_size=64, num_layers=1, hidden_size=32, intermediate_size=64)
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    params = jax.eval_shape(lambda: state)  # abstract: shapes and dtypes only
+    sampler = Sampler(graphdef, config, eos_ids=[3], pad_id=0, prompt_buckets=(8, 16), batch_buckets=(4,))
+    engine = RolloutEngine(sampler, slots=4, max_new_tokens=6, chunk=2)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    lowered = aot.lower_rollout(sampler, engine, params, sampling)
+    assert set(lowered) == {"insert", "decode"}
+    cache = engine.kernels.abstract_slots().cache
+    cache_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
+    assert cache.k[0].shape[0] == 4 and cache.max_len == 16 + 6  # slots x (longest prompt + response)
+    for program in lowered.values():
+        memory = program.compile().memory_analysis()
+        assert memory.argument_size_in_bytes >= cache_bytes  # the slots' cache goes in
+        assert memory.alias_size_in_bytes >= cache_bytes  # and is donated: written in place
+    (name,) = aot.lower_rollout(sampler, None, params, sampling)  # rollout.engine=lockstep
+    assert name == "lockstep"
