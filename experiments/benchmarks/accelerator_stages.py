@@ -25,6 +25,7 @@ import numpy as np
 
 from experiments.benchmarks import generation, rollout, train_step
 from experiments.benchmarks.common import build_hf_checkpoint, spread
+from mage_jax.evaluation.metrics import episode_key
 
 QWEN3_0_6B = dict(
     # Qwen3-0.6B's shape (random weights): what the `small` presets train.
@@ -391,7 +392,7 @@ def real_model(given: StageInput) -> dict[str, Any]:
         "seconds": round(r["iteration_seconds"], 2),
         "rollout_seconds": round(r["rollout_seconds"], 2),
         "update_seconds": round(r["update_seconds"], 2),
-        "payoff_by_episode": [r[f"payoff@{k}"] for k in range(_episodes(r))],
+        "payoff_by_episode": [r[episode_key("payoff", k)] for k in range(_episodes(r))],
     } for r in records]
     return {"model_path": given.model_path, "argv": argv, "iterations": iterations,
             "seconds_per_iteration": round(statistics.median(i["seconds"] for i in iterations), 2),
@@ -400,6 +401,6 @@ def real_model(given: StageInput) -> dict[str, Any]:
 
 def _episodes(record: Mapping[str, Any]) -> int:
     n = 0
-    while f"payoff@{n}" in record:
+    while episode_key("payoff", n) in record:
         n += 1
     return n
