@@ -20,6 +20,7 @@ from mage_jax.sampling import (
     choose_tokens,
     sample_categorical,
 )
+from tests.optional import require
 from tests.tiny_models import build_random_causal_lm
 
 VOCAB, EOS, PAD = 64, 3, 0
@@ -275,7 +276,7 @@ def build_hf_checkpoint(arch: str, folder):
 
 def hf_greedy(model, prompts, max_new: int):
     """HF generate on a left-padded batch; responses cut after the first EOS."""
-    import torch
+    torch = require("torch")
 
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])

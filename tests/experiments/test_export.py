@@ -12,6 +12,7 @@ from experiments import export, kuhn_poker
 from mage_jax import config as C
 from mage_jax.training.assemble import build_parts, checkpoint_dir
 from tests.models.conftest import jax_logits
+from tests.optional import require
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def trained_run(tmp_path_factory, request):
 
 
 def test_export_loads_in_transformers_with_the_same_tokens_logits_and_stop_ids(trained_run, tmp_path, capsys):
-    import torch
+    torch = require("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "hf"

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.optional import require
+
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+nbformat = require("nbformat")
+nbclient = require("nbclient")
 
 
 def _execute(name: str, workdir: Path, env: dict[str, str], monkeypatch) -> nbformat.NotebookNode:

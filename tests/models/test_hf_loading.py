@@ -16,6 +16,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from mage_jax.models.hf_loading import export_hf, hf_name_map, load_hf_model, load_hf_params
+from tests.optional import require
 
 from .conftest import hf_logits, jax_logits
 
@@ -71,7 +72,7 @@ def test_sharded_checkpoint_with_index_loads_the_same_parameters(hf_checkpoint, 
 
 
 def test_bfloat16_checkpoint_loads_into_float32_and_bfloat16(hf_checkpoint, left_padded_batch, tmp_path):
-    import torch
+    torch = require("torch")
     from safetensors import safe_open
 
     _, hf_model = hf_checkpoint("qwen2", False)
