@@ -10,6 +10,7 @@ skipping them silently. Elsewhere (the current-stack CI environment has no torch
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from types import ModuleType
 
@@ -24,3 +25,9 @@ def require(module: str) -> ModuleType:
     if os.environ.get(REQUIRE_VAR) == "1":
         return importlib.import_module(module)
     return pytest.importorskip(module, reason=f"optional test dependency {module!r} is not installed")
+
+
+def available(module: str) -> bool:
+    """Whether a test may plan on ``module`` (always, where every optional dependency is required: the
+    test then fails on its ``require``)."""
+    return os.environ.get(REQUIRE_VAR) == "1" or importlib.util.find_spec(module) is not None
