@@ -7,7 +7,8 @@ Every experiment module (``python -m experiments.<name>``) accepts the same flag
     --set KEY=VALUE          override one config key (repeatable), e.g. --set optim.lr=1e-3
     --KEY VALUE / --KEY=VALUE  the same, e.g. --optim.lr 1e-3 --rollout.reflect false
     --run-dir DIR            where the run writes (default runs/<experiment>/<timestamp>)
-    --model-path DIR         shorthand for --model.path DIR (a local Hugging Face folder)
+    --model-path DIR         shorthand for --model.path DIR (a local Hugging Face folder, or a Hub
+                             name such as Qwen/Qwen3-4B found in the local Hugging Face cache)
     --resume                 continue the run in --run-dir from its latest checkpoint
     --list-keys              print every config key (type, default, the preset's value, docstring)
 
@@ -33,7 +34,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from mage_jax import compilation_cache
 from mage_jax import config as C
+from mage_jax.models.hub import resolve_model_path
 from mage_jax.models.sharding import initialize_from_environment
 from mage_jax.training.run import finished_iteration
 from mage_jax.training.trainer import TrainingStopped
@@ -46,9 +49,10 @@ EXIT_INTERRUPTED = 75
 """SIGTERM / SIGINT: a checkpoint was saved and the exact ``--resume`` command printed (EX_TEMPFAIL: a
 scheduler may simply run that command again). A second Ctrl-C exits at once with 130, saving nothing."""
 RESUMABLE_KEYS = ("train.iterations", "train.eval_every", "checkpoint.every", "checkpoint.keep",
-                  "checkpoint.stop_during_updates", "logging.")
-"""What ``--resume`` may change: how long the run goes on, its evaluation and checkpoint cadences and its
-logging. Everything else (shapes, data, algorithm) is the run's and stays as saved."""
+                  "checkpoint.stop_during_updates", "logging.", "compile.")
+"""What ``--resume`` may change: how long the run goes on, its evaluation and checkpoint cadences, its
+logging and where compiled programs are cached. Everything else (shapes, data, algorithm) is the run's
+and stays as saved."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +118,8 @@ def _parser(prog: str, description: str, presets: Mapping[str, Preset],
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (repeatable)")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/<experiment>/<timestamp>)")
-    p.add_argument("--model-path", default=None, help="local Hugging Face model folder (= --model.path)")
+    p.add_argument("--model-path", default=None,
+                   help="local Hugging Face model folder, or a Hub name in the HF cache (= --model.path)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --run-dir from its latest checkpoint")
     p.add_argument("--list-keys", action="store_true", help="print every config key and exit")
@@ -196,7 +201,7 @@ def parse_command_line(
         return None
     overrides: list[tuple[str, str]] = [C.parse_assignment(s) for s in args.sets] + dotted
     if args.model_path is not None:
-        overrides.append(("model.path", args.model_path))
+        overrides.append(("model.path", resolve_model_path(args.model_path)))
 
     run_dir = args.run_dir
     if args.resume:
@@ -312,6 +317,7 @@ def run_cli(
     if parsed is None:
         return 0
     cfg, options = parsed
+    compilation_cache.enable(cfg.compile.cache_dir)
     try:
         result = run(cfg, options)
     except C.ConfigError as err:  # problems only visible once parts are built (e.g. mesh vs devices)

@@ -36,9 +36,11 @@ from experiments.baselines import method as get_method
 from experiments.baselines import method_config, method_protocol
 from experiments.common import EXIT_CONFIG_ERROR, ConfigErrorParser, format_keys, split_dotted
 from experiments.environments import environment
+from mage_jax import compilation_cache
 from mage_jax import config as C
 from mage_jax.evaluation.evaluator import EvalProtocol
 from mage_jax.evaluation.report import results_table
+from mage_jax.models.hub import resolve_model_path
 from mage_jax.training.assemble import best_checkpoint_dir, build_parts, checkpoint_dir, evaluation_key
 from mage_jax.training.checkpoint import key_from_json
 from mage_jax.training.run import RunOutcome, evaluate
@@ -52,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", "--run-dir", dest="checkpoint",
                      help="a run directory with config.json and checkpoints/")
-    src.add_argument("--model-path", help="a local Hugging Face model folder (zero-shot)")
+    src.add_argument("--model-path",
+                     help="a local Hugging Face model folder, or a Hub name in the local cache (zero-shot)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--best", action="store_true",
                    help="the best validated state (train.validate_every) instead of the latest checkpoint")
@@ -117,10 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit:  # --help
             return 0
         overrides = dict([C.parse_assignment(s) for s in args.sets] + dotted)
+        compilation_cache.enable(overrides.get("compile.cache_dir"))
         if args.checkpoint:
             outcome = evaluate_checkpoint(args.checkpoint, step=args.step, out_dir=args.out_dir,
                                           overrides=overrides, best=args.best)
         else:
+            args.model_path = resolve_model_path(args.model_path)
             if not os.path.isdir(args.model_path):
                 raise C.ConfigError(f"--model-path {args.model_path!r} is not a folder")
             outcome = evaluate_zero_shot(args.model_path, env=args.env, method=args.method,

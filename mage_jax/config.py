@@ -358,6 +358,14 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    cache_dir: str | None = None
+    """JAX's persistent compilation cache folder (a later run of the same shapes loads its compiled
+    programs instead of compiling them again); None: ``$MAGE_COMPILATION_CACHE`` if set, else
+    ``~/.cache/mage-jax/jax``; "off": no cache (``mage_jax.compilation_cache``)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     name: str = "kuhn_poker"
     env: EnvConfig = EnvConfig()
@@ -370,6 +378,7 @@ class ExperimentConfig:
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    compile: CompileConfig = CompileConfig()
     mesh: MeshConfig = MeshConfig(data=-1, fsdp=1, tensor=1)
     """The device mesh (``models.sharding.MeshConfig``); by default rows over all devices (data
     parallel), the ``paper`` presets shard parameters over all devices instead (``fsdp=-1``)."""

@@ -1,4 +1,12 @@
-"""Suite-wide collection order: files with a test marked ``slow`` come first.
+"""Suite-wide: a persistent compilation cache, and the collection order (files with a test marked
+``slow`` come first).
+
+The cache: most of the suite's time is XLA compiling the same programs as the last run did, so the
+suite keeps them in a folder outside the clone (``$XDG_CACHE_HOME/mage-jax/jax-tests``, i.e.
+``~/.cache/mage-jax/jax-tests``), set here before anything compiles. ``MAGE_TEST_COMPILATION_CACHE``
+moves it (a folder) or turns it off (``off``); the suite passes with it empty. Runs started by the
+tests, in this process or in a child (command-line tests, notebook kernels), use it too, through
+``MAGE_COMPILATION_CACHE`` (``mage_jax.compilation_cache``), so that tests never fill a user's own cache.
 
 CI runs the files on two workers (``--dist loadfile --no-loadscope-reorder``: this order, not
 xdist's by test count), each taking the next file as it frees up; starting with the minute-long
@@ -8,7 +16,20 @@ on a late multi-minute file.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from mage_jax import compilation_cache
+
+TEST_CACHE_VAR = "MAGE_TEST_COMPILATION_CACHE"
+DEFAULT_TEST_CACHE = os.path.join(os.path.dirname(compilation_cache.default_dir()), "jax-tests")
+SUITE_CACHE = compilation_cache.enable(os.environ.get(TEST_CACHE_VAR) or DEFAULT_TEST_CACHE)
+"""The suite's compilation cache folder (None: off)."""
+os.environ[compilation_cache.ENV_VAR] = SUITE_CACHE or compilation_cache.OFF
+if SUITE_CACHE is not None:  # child processes that compile outside a run (notebook cells) cache too
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=SUITE_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,8 +10,9 @@ import pytest
 
 from mage_jax import config as C
 from mage_jax.logging import WANDB_ID_FILE, MetricsLogger, read_jsonl
+from tests.optional import require
 
-wandb = pytest.importorskip("wandb")  # in the ``test`` and ``logging`` extras
+wandb = require("wandb")  # in the ``test`` and ``logging`` extras
 
 
 @pytest.fixture

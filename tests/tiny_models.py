@@ -9,6 +9,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.optional import require
+
 SMALLEST_DECODER = {
     "hidden_size": 32,
     "intermediate_size": 64,
@@ -72,7 +74,7 @@ def build_random_causal_lm(
     """A random `transformers` causal LM from a `config.json`-style mapping (with ``model_type``), saved
     to ``folder`` as safetensors when given. ``weight_std`` redraws every matrix from N(0, std²): large
     weights keep logits far apart, so greedy choices are not near-ties."""
-    import torch
+    torch = require("torch")
     import transformers
 
     config = transformers.AutoConfig.for_model(**hf_config)

@@ -353,16 +353,16 @@ class ALFWorldEnv(TextEnv):
         self.data_folder = data_folder or folder
         self.task_types = _resolve_types(task_types, default_types)
         self.data_dir = resolve_data_dir(data_dir)
-        if engine_factory is None:
-            _require("textworld", "textworld")
-            engine_factory = TextWorldEngine
-        self._engine_factory = engine_factory
         games = discover_games(str(self.data_dir), self.data_folder)
         self.games = tuple(g for g in games if g.task_type in self.task_types)
         if not self.games:
             names = ", ".join(TASK_TYPES[t] for t in self.task_types)
             where = self.data_dir / "json_2.1.1" / self.data_folder
             raise ValueError(f"no ALFWorld games of types {names} in {where}")
+        if engine_factory is None:  # after the data: a missing folder is the first thing to report
+            _require("textworld", "textworld")
+            engine_factory = TextWorldEngine
+        self._engine_factory = engine_factory
         self.max_turns = int(max_turns)
         self.admissible_chars = None if admissible_chars is None else int(admissible_chars)
         self.prompt_spec = alfworld_prompt_spec(self.max_turns)

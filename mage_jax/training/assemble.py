@@ -133,7 +133,7 @@ def _env_runner(cfg: C.ExperimentConfig, config: RunnerConfig) -> MetaEpisodeRun
     """A runner of ``cfg``'s environment; bad environment options or missing data are one ConfigError."""
     try:
         return MetaEpisodeRunner(cfg.env.name, env_options(cfg), config)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as err:  # ImportError: an optional package
         raise C.ConfigError(f"env {cfg.env.name}: {err}") from None
 
 
@@ -151,7 +151,7 @@ def check_environment(cfg: C.ExperimentConfig) -> None:
                 "--env.opponent_ratios '' --env.heldout_opponent none")
         for name in names:
             make_env(e.name, **{**env_options(cfg), "opponent": name})
-    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError) as err:
+    except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, ImportError) as err:
         if isinstance(err, C.ConfigError):
             raise
         raise C.ConfigError(f"env {e.name}: {err}") from None

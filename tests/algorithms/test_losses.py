@@ -1,6 +1,7 @@
 """PPO dual-clip loss, aggregation, KL estimators, entropy, chunked token log-probs (docs/method.md §5)."""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -234,7 +235,7 @@ def _largest_float_intermediate(jaxpr) -> int:
             aval = var.aval
             if hasattr(aval, "shape") and jnp.issubdtype(aval.dtype, jnp.floating):
                 largest = max(largest, int(np.prod(aval.shape)))
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):  # jax.core's was removed in jax 0.11
             largest = max(largest, _largest_float_intermediate(sub))
     return largest
 

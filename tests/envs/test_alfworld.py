@@ -19,6 +19,7 @@ from mage_jax.envs.alfworld import (
     clean_feedback,
     write_tiny_alfred_game,
 )
+from tests.optional import require
 
 TYPE_DIRS = {
     "pick": "pick_and_place_simple-Apple-None-Fridge-1",
@@ -270,7 +271,7 @@ def test_long_admissible_lists_are_fitted_interactions_first(data):
 
 @pytest.fixture(scope="module")
 def textworld_data(tmp_path_factory) -> Path:
-    textworld = pytest.importorskip("textworld")
+    textworld = require("textworld")
     from textworld.generator.game import Event, Quest
 
     root = tmp_path_factory.mktemp("alfworld_tw")
@@ -312,8 +313,8 @@ def test_textworld_game_reset_step_win_and_restart(textworld_data):
 
 @pytest.fixture(scope="module")
 def alfred_data(tmp_path_factory) -> Path:
-    pytest.importorskip("alfworld")
-    pytest.importorskip("textworld")
+    require("alfworld")
+    require("textworld")
     root = tmp_path_factory.mktemp("alfworld_pddl")
     write_tiny_alfred_game(root / "json_2.1.1" / "valid_unseen" / TYPE_DIRS["pick"] / "trial_T1")
     return root

@@ -20,6 +20,7 @@ from mage_jax.envs.kuhn_poker import (
 )
 from mage_jax.envs.opponents.cfr import load_cfr_policy
 from mage_jax.envs.opponents.kuhn import KUHN_OPPONENTS, make_kuhn_opponent
+from tests.optional import require
 
 DEALS = list(itertools.permutations(range(3), 2))
 
@@ -41,7 +42,7 @@ def all_histories(prefix: str = ""):
 
 
 def test_rules_equal_openspiel_for_every_deal_and_action_sequence():
-    pyspiel = pytest.importorskip("pyspiel")
+    pyspiel = require("pyspiel")
     game = pyspiel.load_game("kuhn_poker")
     checked_terminals = 0
     for cards in DEALS:
@@ -60,7 +61,7 @@ def test_rules_equal_openspiel_for_every_deal_and_action_sequence():
 
 
 def test_environment_plays_every_line_like_openspiel_in_both_seats_against_every_opponent():
-    pyspiel = pytest.importorskip("pyspiel")
+    pyspiel = require("pyspiel")
     game = pyspiel.load_game("kuhn_poker")
     env = KuhnPokerEnv()
     for (agent_card, opponent_card), seed in deal_seeds().items():

@@ -20,6 +20,7 @@ from mage_jax.envs.opponents import (
 )
 from mage_jax.envs.opponents.cfr import CFR_POLICY_PATH, compute_cfr_policy
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+from tests.optional import require
 
 P, B = 0, 1
 J, Q, K = 0, 1, 2
@@ -67,7 +68,7 @@ def test_cfr_opponent_plays_the_argmax_of_the_cached_average_policy():
 
 
 def test_cached_cfr_policy_matches_a_fresh_openspiel_recompute():
-    pytest.importorskip("pyspiel")
+    require("pyspiel")
     fresh = compute_cfr_policy()  # 1000 iterations, about a second
     cached = json.loads(CFR_POLICY_PATH.read_text())
     assert fresh["action"] == cached["action"]
@@ -134,7 +135,7 @@ def test_balanced_tic_tac_toe_pool_matches_the_reference_16_groups():
 
 
 def test_mcts_takes_a_win_blocks_a_loss_and_is_reproducible_with_its_seed():
-    pytest.importorskip("pyspiel")
+    require("pyspiel")
     # First mover X on 0 and 1, O on 3 and 4: X to move wins at 2.
     assert make_tic_tac_toe_opponent("mcts-100", 3).act([0, 3, 1, 4]) == 2
     # X on 0 and 1, O on 4: O to move must block at 2.

@@ -21,6 +21,7 @@ from mage_jax.envs.tic_tac_toe import (
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
 from mage_jax.rollout.policy import ScriptedPolicy
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+from tests.optional import require
 
 DETERMINISTIC = (*PREFERRED_ORDERS,)
 STOCHASTIC = ("random", "mcts-100")
@@ -34,7 +35,7 @@ def _outcome(moves: tuple[int, ...]) -> tuple[bool, tuple[float, float]]:
 
 
 def test_every_reachable_position_has_openspiels_terminal_flag_returns_and_legal_moves():
-    pyspiel = pytest.importorskip("pyspiel")
+    pyspiel = require("pyspiel")
     game = pyspiel.load_game("tic_tac_toe")
     seen: set[str] = set()
     stack = [((), game.new_initial_state())]
@@ -74,7 +75,7 @@ def test_enumerating_all_games_gives_the_known_outcome_counts():
 
 
 def test_environment_games_against_random_opponents_end_like_openspiel():
-    pyspiel = pytest.importorskip("pyspiel")
+    pyspiel = require("pyspiel")
     game = pyspiel.load_game("tic_tac_toe")
     rng = np.random.default_rng(0)
     for seed in range(40):
@@ -155,7 +156,7 @@ def test_rewards_win_loss_draw():
 
 
 def test_mcts_never_loses_against_a_random_player():
-    pytest.importorskip("pyspiel")
+    require("pyspiel")
     rng = np.random.default_rng(1)
     for game in range(30):
         env = TicTacToeEnv(opponent="mcts-100", seat=game % 2)
@@ -169,7 +170,7 @@ def test_mcts_never_loses_against_a_random_player():
 @pytest.mark.parametrize("seat", [0, 1])
 def test_restart_restores_the_initial_position_including_the_opening_move(opponent, seat):
     if opponent.startswith("mcts"):
-        pytest.importorskip("pyspiel")
+        require("pyspiel")
     env = TicTacToeEnv(opponent=opponent, seat=seat)
     first = env.reset(5)
     info, moves = dict(env.task_info), env.moves
@@ -195,7 +196,7 @@ def _replay(env: TicTacToeEnv, episodes: int = 6) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("opponent", STOCHASTIC)
 def test_stochastic_opponents_keep_their_randomness_across_restarts_unless_replayable(opponent):
     if opponent.startswith("mcts"):
-        pytest.importorskip("pyspiel")
+        require("pyspiel")
     env = TicTacToeEnv(opponent=opponent, seat=1)
     env.reset(2)
     continuing = _replay(env)
@@ -211,7 +212,7 @@ def test_stochastic_opponents_keep_their_randomness_across_restarts_unless_repla
 def test_copies_of_a_task_share_the_opening_but_meet_independent_opponent_noise(opponent):
     """The G copies of a group: same initial state (the opening included), own opponent stream."""
     if opponent.startswith("mcts"):
-        pytest.importorskip("pyspiel")
+        require("pyspiel")
     openings, games = set(), set()
     for copy in range(8):
         env = TicTacToeEnv(opponent=opponent, seat=1)

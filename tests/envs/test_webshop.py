@@ -15,8 +15,9 @@ from mage_jax.envs.webshop.catalogue import GENERATED_PATH, load_generated, load
 from mage_jax.envs.webshop.generate import catalogue_json, generate_catalogue
 from mage_jax.envs.webshop.reward import token_match, type_factor
 from mage_jax.envs.webshop.search import SearchIndex, require_bm25s
+from tests.optional import require
 
-pytest.importorskip("bm25s")
+require("bm25s")
 
 
 # ------------------------------------------------------------------------------------------------

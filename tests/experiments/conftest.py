@@ -76,11 +76,17 @@ def smoke_args():
 
 @pytest.fixture(scope="session")
 def compilation_cache(tmp_path_factory):
-    """A persistent XLA cache for this session (and for notebook kernels started from it): the
-    end-to-end runs build the same programs again and again, and compiling dominates their time."""
+    """A persistent XLA cache for the end-to-end runs (and for notebook kernels started from them): they
+    build the same programs again and again, and compiling dominates their time. The suite's cache
+    (``tests/conftest.py``) when it is on, else one for this session."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache as cc
 
+    from tests.conftest import SUITE_CACHE
+
+    if SUITE_CACHE is not None:
+        yield SUITE_CACHE
+        return
     path = str(tmp_path_factory.mktemp("xla_cache"))
     names = (
         "jax_compilation_cache_dir",
@@ -89,6 +95,7 @@ def compilation_cache(tmp_path_factory):
     )
     old = {name: getattr(jax.config, name) for name in names}
     env = {
+        "MAGE_COMPILATION_CACHE": path,
         "JAX_COMPILATION_CACHE_DIR": path,
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",

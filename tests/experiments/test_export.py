@@ -16,6 +16,7 @@ from mage_jax.models.hf_loading import load_hf_params
 from mage_jax.training import trainer as trainer_module
 from mage_jax.training.assemble import best_checkpoint_dir, build_parts, checkpoint_dir
 from tests.models.conftest import jax_logits
+from tests.optional import require
 
 BEST, LATEST = 1, 2
 
@@ -54,7 +55,7 @@ def _exported(out):
 
 
 def test_export_loads_in_transformers_with_the_same_tokens_logits_and_stop_ids(trained_run, tmp_path, capsys):
-    import torch
+    torch = require("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "hf"

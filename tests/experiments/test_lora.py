@@ -18,6 +18,7 @@ from mage_jax.models.hf_loading import load_hf_params
 from mage_jax.training.assemble import build_parts, checkpoint_dir
 from mage_jax.training.checkpoint import Checkpointer
 from tests.models.conftest import jax_logits
+from tests.optional import require
 
 SHORT = {"rollout.max_prompt_tokens": 1024, "rollout.max_response_tokens": 12,
          "rollout.max_reflection_tokens": 12, "rollout.max_turns": 2, "checkpoint.every": 1,
@@ -69,7 +70,7 @@ def test_a_lora_run_trains_only_the_adapters_and_resumes(lora_run):
 
 
 def test_the_export_of_a_lora_run_is_the_merged_model_in_transformers(lora_run, tmp_path):
-    import torch
+    torch = require("torch")
     from transformers import AutoModelForCausalLM
 
     run_dir, _ = lora_run

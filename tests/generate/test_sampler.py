@@ -22,6 +22,7 @@ from mage_jax.generate.sampler import Sampler
 from mage_jax.generate.step import SamplingParams
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer, positions_from_mask
+from tests.optional import require
 from tests.tiny_models import build_random_causal_lm
 
 VOCAB, EOS, PAD = 64, 3, 0
@@ -216,7 +217,7 @@ def build_hf_checkpoint(arch: str, folder):
 
 def hf_greedy(model, prompts, max_new: int):
     """HF generate on a left-padded batch; responses cut after the first EOS."""
-    import torch
+    torch = require("torch")
 
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.optional import require
+
 ARCHS = ("qwen3", "qwen2", "llama")
 LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -16,7 +18,7 @@ LLAMA3_ROPE = {
 def build_hf_model(arch: str, tie: bool, *, vocab: int = 97, seed: int = 0, **overrides):
     """A 2-layer, hidden-64, GQA (4 query / 2 kv heads) model with weights large enough that any
     mistake in norms, biases or RoPE moves the logits well beyond the test tolerance."""
-    import torch
+    torch = require("torch")
     import transformers
 
     common = dict(
@@ -46,7 +48,7 @@ def build_hf_model(arch: str, tie: bool, *, vocab: int = 97, seed: int = 0, **ov
 
 
 def hf_logits(model, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    import torch
+    torch = require("torch")
 
     with torch.no_grad():
         out = model(

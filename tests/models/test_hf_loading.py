@@ -16,6 +16,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from mage_jax.models.hf_loading import export_hf, hf_name_map, load_hf_model, load_hf_params
+from tests.optional import require
 
 from .conftest import hf_logits, jax_logits
 
@@ -91,7 +92,7 @@ def test_exported_files_have_the_mode_of_new_files(hf_checkpoint, tmp_path, max_
 
 
 def test_bfloat16_checkpoint_loads_into_float32_and_bfloat16(hf_checkpoint, left_padded_batch, tmp_path):
-    import torch
+    torch = require("torch")
     from safetensors import safe_open
 
     _, hf_model = hf_checkpoint("qwen2", False)

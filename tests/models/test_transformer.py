@@ -18,6 +18,7 @@ from mage_jax.models import (
     positions_from_mask,
 )
 from mage_jax.models.hf_loading import load_hf_model
+from tests.optional import require
 
 from .conftest import hf_logits, jax_logits
 
@@ -95,7 +96,7 @@ def test_cached_prefill_then_step_by_step_decoding_equals_full_forward(hf_checkp
 
 
 def test_greedy_decoding_with_cache_matches_hugging_face_generate(hf_checkpoint):
-    import torch
+    torch = require("torch")
 
     folder, hf_model = hf_checkpoint("qwen2", True)
     graphdef, state = nnx.split(load_hf_model(folder))

@@ -6,10 +6,11 @@ import os
 import subprocess
 import sys
 
-import torch
-
 from experiments.benchmarks import generation, matmul, train_step
 from experiments.benchmarks.common import QWEN3_SHAPES, pinned_threads
+from tests.optional import require
+
+torch = require("torch")  # the PyTorch side of every benchmark
 
 
 def test_train_step_benchmark_reports_both_sides(tmp_path):
