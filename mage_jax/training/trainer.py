@@ -175,11 +175,12 @@ class Trainer:
         result = parts.train_runner.run(tasks, StoppablePolicy(policy, self._stop), training=True,
                                         progress=self._rows_progress(iteration))
         t_rollout = time.perf_counter() - t0
-        self._check_rows(iteration, result.rows)
         every = cfg.logging.samples_every
-        if every > 0 and iteration % every == 0:
+        # An iteration that stops the run logs its samples first: they show what the model wrote.
+        if every > 0 and (iteration % every == 0 or self._all_invalid(result.rows)):
             samples = sample_rows(result.rows, parts.tokenizer, cfg.logging.samples)
             self.logger.log_samples(iteration, samples, split="train", text=render_markdown(samples))
+        self._check_rows(iteration, result.rows)
 
         mb, buckets = cfg.optim.mini_batch_rows, self.length_buckets
         packed = pack_rows(result.rows, row_bucket=mb, length_buckets=buckets, pad_id=parts.tokenizer.pad_id)
@@ -293,16 +294,24 @@ class Trainer:
             raise TrainingStopped(
                 f"sampling iteration {iteration} gave non-finite log-probabilities: the parameters diverged "
                 f"(lower optim.lr); {self._last_checkpoint_note()}")
-        if not rows or not self.cfg.train.stop_when_all_invalid or any(row.valid for row in rows):
+        if not self._all_invalid(rows):
             return
         truncated = sum(row.truncated for row in rows)
         overflow = sum(row.overflow for row in rows)
         r = self.cfg.rollout
+        hints = [] if r.constrained_actions else ["--rollout.constrained_actions true"]
+        hints.append(f"a longer --rollout.max_response_tokens (now {r.max_response_tokens})")
+        samples = (f"; what the model wrote is in {self.logger.samples_path}"
+                   if self.cfg.logging.samples_every > 0 and self.logger.writes else "")
         raise TrainingStopped(
             f"every one of the {len(rows)} rows of iteration {iteration} is invalid ({truncated} truncated "
             f"at rollout.max_response_tokens={r.max_response_tokens}, {overflow} over "
             f"rollout.max_prompt_tokens={r.max_prompt_tokens}, the rest unparsable): nothing to train on; "
-            f"{self._last_checkpoint_note()}")
+            f"try {' or '.join(hints)}{samples}; {self._last_checkpoint_note()}")
+
+    def _all_invalid(self, rows: Sequence[Any]) -> bool:
+        """The iteration has rows, none valid, and the run is set to stop on that."""
+        return bool(rows) and self.cfg.train.stop_when_all_invalid and not any(row.valid for row in rows)
 
     def _check_skips(self, iteration: int, longest: int) -> None:
         limit = self.cfg.optim.max_skipped_updates

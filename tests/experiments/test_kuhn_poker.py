@@ -180,6 +180,9 @@ def test_updates_that_keep_being_skipped_stop_the_run_with_one_line_and_save_not
         ({"rollout.max_response_tokens": 1}, EXIT_TRAINING_STOPPED,
          "error: every one of the 48 rows of iteration 1 is invalid (48 truncated at "
          "rollout.max_response_tokens=1, 0 over rollout.max_prompt_tokens=512"),
+        ({"rollout.max_response_tokens": 1, "rollout.constrained_actions": False}, EXIT_TRAINING_STOPPED,
+         "error: every one of the 48 rows of iteration 1 is invalid (48 truncated at "
+         "rollout.max_response_tokens=1, 0 over rollout.max_prompt_tokens=512"),
         ({"rollout.max_prompt_tokens": 16}, 2,
          "error: every prompt is longer than rollout.max_prompt_tokens=16 even without memory"),
     ],
@@ -187,9 +190,19 @@ def test_updates_that_keep_being_skipped_stop_the_run_with_one_line_and_save_not
 def test_a_run_that_would_train_on_nothing_is_refused_or_stopped_with_one_line(tmp_path, capsys, smoke_args,
                                                                                 overrides, code, message):
     capsys.readouterr()
-    assert kuhn_poker.main([*smoke_args(overrides), "--run-dir", str(tmp_path / "run")]) == code
+    run_dir = tmp_path / "run"
+    assert kuhn_poker.main([*smoke_args(overrides), "--run-dir", str(run_dir)]) == code
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message), err
+    if code == EXIT_TRAINING_STOPPED:  # the stop suggests the fixes and shows what the model wrote first
+        samples_file = run_dir / "samples.jsonl"
+        constrained = "try " if overrides.get("rollout.constrained_actions", True) else (
+            "try --rollout.constrained_actions true or ")
+        assert (f"the rest unparsable): nothing to train on; {constrained}a longer "
+                f"--rollout.max_response_tokens (now 1); what the model wrote is in {samples_file}; "
+                "no checkpoint was saved") in err[0]
+        samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+        assert samples and {(s["split"], s["iteration"]) for s in samples} == {("train", 1)}
 
 
 def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):
