@@ -206,8 +206,8 @@ def parse_command_line(
             raise C.ConfigError(f"--resume: {run_dir!r} holds no {C.CONFIG_FILE}; nothing to resume")
         if args.preset is not None or args.config is not None:
             raise C.ConfigError("--resume continues the run's saved config; drop --preset / --config")
-        saved = C.load(run_dir)
-        cfg = C.apply_overrides(saved, _ordered(overrides))
+        saved = C.with_model_folder(C.load(run_dir))
+        cfg = C.with_model_folder(C.apply_overrides(saved, _ordered(overrides)))
         _check_resume_overrides(saved, cfg)
         preset_name = None
     else:
@@ -219,7 +219,7 @@ def parse_command_line(
             preset_name = None
         else:
             cfg = C.apply_overrides(C.ExperimentConfig(name=experiment), presets[preset_name].overrides)
-        cfg = C.apply_overrides(cfg, _ordered(overrides))
+        cfg = C.with_model_folder(C.apply_overrides(cfg, _ordered(overrides)))
     if run_dir is None:
         run_dir = cfg.logging.run_dir or default_run_dir(experiment)
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir=run_dir))

@@ -128,9 +128,11 @@ class EnvConfig:
 class ModelSection:
     """Which decoder: a named ``ModelConfig`` preset (random init) or a local HF folder (weights loaded)."""
 
-    preset: str = "qwen3-4b"
+    preset: str | None = "qwen3-4b"
+    """A named ``ModelConfig`` preset (random init); None when ``path`` names the model."""
     path: str | None = None
-    """Local Hugging Face folder (config.json + safetensors). When set, it wins over ``preset``."""
+    """Local Hugging Face folder (config.json + safetensors). When set, it replaces ``preset``: the
+    resolved config names the model by its folder (``with_model_folder``)."""
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     """ModelConfig field overrides for from-scratch models (e.g. ``{"num_layers": 2}``)."""
     dtype: ActivationDtype = "float32"
@@ -391,6 +393,14 @@ def describe_keys() -> list[KeyInfo]:
 
 # --------------------------------------------------------------------------------------------------
 # validation
+
+
+def with_model_folder(cfg: ExperimentConfig) -> ExperimentConfig:
+    """``cfg`` with no model preset when a folder gives the model: the preset (e.g. ``qwen3-0.6b`` of the
+    ``small`` presets) would otherwise name a model the run does not use."""
+    if cfg.model.path is None or cfg.model.preset is None:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, preset=None))
 
 
 def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentConfig:
