@@ -47,8 +47,6 @@ skips, or an iteration in which every row is invalid (nothing to learn from), st
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import sys
 import threading
 import time
@@ -74,10 +72,8 @@ from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices,
 from mage_jax.rollout.stopping import Interrupted, StoppablePolicy
 from mage_jax.training.assemble import RunParts, advantage_config, evaluation_key, row_length_buckets
 from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
+from mage_jax.training.signals import install_stop_signals
 from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows
-
-EXIT_SECOND_INTERRUPT = 130
-"""Exit status of a second Ctrl-C (the shell's 128 + SIGINT): nothing is saved."""
 
 
 class TrainingStopped(RuntimeError):
@@ -400,24 +396,7 @@ class Trainer:
 
     def _install_signals(self) -> Callable[[], None]:
         """SIGTERM and SIGINT request a stop at the next safe point; a second SIGINT exits at once."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-        def handler(signum: int, frame: Any) -> None:
-            if signum == signal.SIGINT and self._stop.is_set():
-                print("\ninterrupted again: exiting now without saving", file=sys.stderr, flush=True)
-                os._exit(EXIT_SECOND_INTERRUPT)
-            self._stop.set()
-
-        for sig in previous:
-            signal.signal(sig, handler)
-
-        def restore() -> None:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
-
-        return restore
+        return install_stop_signals(self._stop)
 
     def request_stop(self) -> None:
         """Stop at the next safe point, save a checkpoint and return (what SIGTERM and SIGINT do)."""

@@ -17,6 +17,7 @@ from mage_jax import config as C
 from mage_jax.evaluation.report import results_table
 from mage_jax.logging import read_jsonl
 from mage_jax.rollout.policy import LLMPolicy
+from mage_jax.training import signals as signals_module
 from mage_jax.training import trainer as trainer_module
 from tests.experiments.conftest import comparable, sigterm_after_iteration
 from tests.training.test_checkpoint import flip_bytes
@@ -139,7 +140,7 @@ def test_a_signal_during_a_rollout_saves_promptly_exits_75_and_resumes_identical
 
 def test_a_second_ctrl_c_exits_at_once_without_saving(monkeypatch, capsys):
     exits = []
-    monkeypatch.setattr(trainer_module.os, "_exit", exits.append)
+    monkeypatch.setattr(signals_module.os, "_exit", exits.append)
     trainer = types.SimpleNamespace(_stop=trainer_module.threading.Event())
     before = signal.getsignal(signal.SIGINT)
     restore = trainer_module.Trainer._install_signals(trainer)
@@ -149,7 +150,7 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(monkeypatch, capsys):
         signal.raise_signal(signal.SIGINT)
     finally:
         restore()
-    assert exits == [trainer_module.EXIT_SECOND_INTERRUPT] == [130]
+    assert exits == [signals_module.EXIT_SECOND_INTERRUPT] == [130]
     assert "exiting now without saving" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is before  # the handler the run found is back
 
