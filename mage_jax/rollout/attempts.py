@@ -14,7 +14,12 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mage_jax.rollout.meta_episode import MetaEpisodeOutcome, MetaEpisodeRunner, RolloutResult
+from mage_jax.rollout.meta_episode import (
+    MetaEpisodeOutcome,
+    MetaEpisodeRunner,
+    RolloutProgress,
+    RolloutResult,
+)
 from mage_jax.rollout.policy import Policy
 from mage_jax.rollout.tasks import Task
 
@@ -49,13 +54,18 @@ class IndependentAttemptsRunner:
         return IndependentAttemptsRunner(self.base.with_env_options(extra), self.config.num_episodes)
 
     def run(self, tasks: Sequence[Task], policy: Policy, *, training: bool = False,
-            progress: Callable[[int], None] | None = None) -> RolloutResult:
+            progress: Callable[[RolloutProgress], None] | None = None) -> RolloutResult:
         n, attempts = len(tasks), self.config.num_episodes
         copies = [
             dataclasses.replace(t, meta_episode=a * n + i, group=a * n + i)
             for a in range(attempts) for i, t in enumerate(tasks)
         ]
-        result = self.base.run(copies, policy, training=training, progress=progress)
+
+        def per_task(p: RolloutProgress) -> None:  # finished attempts in tasks' worth: the share done
+            progress(dataclasses.replace(p, finished=p.finished // attempts))
+
+        result = self.base.run(copies, policy, training=training,
+                               progress=None if progress is None else per_task)
         by_id = {o.meta_episode: o for o in result.outcomes}
         outcomes, kept = [], set()
         for i, task in enumerate(tasks):

@@ -68,6 +68,7 @@ from mage_jax.evaluation.training_metrics import IterationTimings, iteration_met
 from mage_jax.logging import MetricsLogger
 from mage_jax.models.sharding import to_host
 from mage_jax.progress import NoBar, progress_bar
+from mage_jax.rollout.meta_episode import RolloutProgress
 from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices, pack_rows, pick_bucket
 from mage_jax.rollout.stopping import Interrupted, StoppablePolicy
 from mage_jax.training.assemble import RunParts, advantage_config, evaluation_key, row_length_buckets
@@ -271,15 +272,13 @@ class Trainer:
             self.state = start_state
         raise Interrupted
 
-    def _rows_progress(self, iteration: int) -> Callable[[int], None] | None:
+    def _rows_progress(self, iteration: int) -> Callable[[RolloutProgress], None] | None:
         """Progress inside the rollout of ``iteration`` on the bar: rows generated so far."""
         if not self.cfg.logging.progress:
             return None
-        done = [0]
 
-        def report(rows: int) -> None:
-            done[0] += rows
-            self._bar.set_postfix_str(f"iteration {iteration}: rollout, {done[0]} rows generated")
+        def report(progress: RolloutProgress) -> None:
+            self._bar.set_postfix_str(f"iteration {iteration}: rollout, {progress.rows} rows generated")
 
         return report
 

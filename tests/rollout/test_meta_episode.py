@@ -2,12 +2,13 @@
 
 import re
 
+import numpy as np
 import pytest
 
 from mage_jax.constraints import WordSequence
 from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, TextEnv, register_env
-from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutProgress, RunnerConfig
 from mage_jax.rollout.policy import ScriptedPolicy
 from mage_jax.rollout.tasks import Task, TaskSampler, TaskSamplerConfig
 
@@ -129,11 +130,17 @@ def test_reflection_rows_come_only_after_lost_episodes_that_have_a_next_episode(
     assert result.outcomes[2].reflections == ["note-2-1", "note-2-2"]
 
 
-def test_the_progress_callback_hears_the_rows_of_every_generate_call():
+def test_the_progress_callback_hears_rows_tokens_and_finished_meta_episodes_after_every_round():
     policy, heard = scripted(wins_at({0: 1, 3: 1})), []
     result = runner(num_episodes=2).run(tasks_for([0, 1, 2, 3], group_size=2), policy, training=True,
                                         progress=heard.append)
-    assert heard == [len(call) for call in policy.calls] and sum(heard) == len(result.rows)
+    calls = np.cumsum([len(call) for call in policy.calls])
+    assert [p.rows for p in heard] == list(calls)  # one report per batched generate call (lockstep)
+    assert heard[-1] == RolloutProgress(rows=len(result.rows), finished=8,
+                                        tokens=sum(len(r.response_ids) for r in result.rows))
+    finished = [p.finished for p in heard]
+    # the winners of episode 0's first turn (seeds 0 and 3: 4 copies) finish long before the others
+    assert finished == sorted(finished) and 0 < finished[1] < 8 == finished[-1]
 
 
 def test_every_turn_is_one_batched_generate_call_over_all_active_meta_episodes():
