@@ -35,7 +35,7 @@ from typing import Any
 
 from mage_jax import config as C
 from mage_jax.models.sharding import initialize_from_environment
-from mage_jax.training.run import finished_iteration
+from mage_jax.training.run import EvaluationInterrupted, finished_iteration
 from mage_jax.training.trainer import TrainingStopped
 
 EXIT_CONFIG_ERROR = 2
@@ -44,7 +44,8 @@ EXIT_TRAINING_STOPPED = 3
 an iteration has no valid row); one ``error:`` line names the cause and the last checkpoint."""
 EXIT_INTERRUPTED = 75
 """SIGTERM / SIGINT: a checkpoint was saved and the exact ``--resume`` command printed (EX_TEMPFAIL: a
-scheduler may simply run that command again). A second Ctrl-C exits at once with 130, saving nothing."""
+scheduler may simply run that command again); an evaluation-only run stops at its next turn and says
+what its directory holds. A second Ctrl-C exits at once with 130, saving nothing."""
 RESUMABLE_KEYS = ("train.iterations", "train.eval_every", "checkpoint.every", "checkpoint.keep",
                   "checkpoint.stop_during_updates", "logging.")
 """What ``--resume`` may change: how long the run goes on, its evaluation and checkpoint cadences and its
@@ -320,4 +321,7 @@ def run_cli(
     except TrainingStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_TRAINING_STOPPED
+    except EvaluationInterrupted as err:
+        print(err, file=sys.stderr)
+        return EXIT_INTERRUPTED
     return int(result) if isinstance(result, int) else 0

@@ -16,6 +16,7 @@ from experiments.common import EXIT_INTERRUPTED, EXIT_TRAINING_STOPPED
 from mage_jax import config as C
 from mage_jax.evaluation.report import results_table
 from mage_jax.logging import read_jsonl
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner
 from mage_jax.rollout.policy import LLMPolicy
 from mage_jax.training import signals as signals_module
 from mage_jax.training import trainer as trainer_module
@@ -203,6 +204,34 @@ def test_a_run_that_would_train_on_nothing_is_refused_or_stopped_with_one_line(t
                 "no checkpoint was saved") in err[0]
         samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
         assert samples and {(s["split"], s["iteration"]) for s in samples} == {("train", 1)}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_stops_an_evaluation_at_its_next_turn_with_one_line_and_no_traceback(
+        finished_run, tmp_path, monkeypatch, capsys, sig):
+    """The signal lands as the evaluation's first rollout starts: it stops there (exit 75), says what the
+    output folder holds in one line, writes no results and puts the handlers it found back."""
+    _, run_dir, _ = finished_run
+    out = tmp_path / "eval"
+    original_run, rollouts = MetaEpisodeRunner.run, []
+
+    def run(self, tasks, policy, **kwargs):
+        rollouts.append(len(tasks))
+        os.kill(os.getpid(), sig)
+        return original_run(self, tasks, policy, **kwargs)
+
+    monkeypatch.setattr(MetaEpisodeRunner, "run", run)
+    before = signal.getsignal(signal.SIGINT)
+    capsys.readouterr()
+    argv = ["--checkpoint", str(run_dir), "--out", str(out), "--set", "logging.plots=false"]
+    assert evaluate.main(argv) == EXIT_INTERRUPTED
+    assert len(rollouts) == 1  # no later split or chunk was started
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"interrupted: the evaluation stopped before it finished; {out} holds its config.json and "
+                   "experiment.json but no results (run the command again to evaluate)"]
+    assert {"config.json", "experiment.json"} <= set(os.listdir(out))
+    assert not (out / "summary.json").exists() and not (out / "metrics.jsonl").exists()
+    assert signal.getsignal(signal.SIGINT) is before  # the handlers the command found are back
 
 
 def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):
