@@ -143,6 +143,34 @@ def test_the_progress_callback_hears_rows_tokens_and_finished_meta_episodes_afte
     assert finished == sorted(finished) and 0 < finished[1] < 8 == finished[-1]
 
 
+class _ScriptedStream:
+    """A continuous-batching stream over a scripted policy: each collect answers every pending request."""
+
+    def __init__(self, policy):
+        self.policy, self.pending = policy, []
+
+    @property
+    def busy(self):
+        return bool(self.pending)
+
+    def submit(self, tag, request, key_path, priority=()):
+        self.pending.append((tag, request))
+
+    def collect(self):
+        batch, self.pending = self.pending, []
+        return list(zip([tag for tag, _ in batch], self.policy.generate([r for _, r in batch])))
+
+
+def test_the_streaming_schedule_reports_the_same_running_totals():
+    policy, heard = scripted(wins_at({0: 1, 3: 1})), []
+    policy.open_stream = lambda: _ScriptedStream(policy)
+    result = runner(num_episodes=2).run(tasks_for([0, 1, 2, 3], group_size=2), policy, training=True,
+                                        progress=heard.append)
+    assert heard[-1] == RolloutProgress(rows=len(result.rows), finished=8,
+                                        tokens=sum(len(r.response_ids) for r in result.rows))
+    assert [p.finished for p in heard] == sorted(p.finished for p in heard) and heard[0].finished < 8
+
+
 def test_every_turn_is_one_batched_generate_call_over_all_active_meta_episodes():
     policy = scripted(wins_at({0: 1, 3: 1}))
     result = runner(num_episodes=2).run(tasks_for([0, 1, 2, 3], group_size=2), policy, training=True)
