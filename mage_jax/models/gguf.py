@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import shutil
+import tempfile
 from typing import Any
 
 INSTALL_HINT = "pip install gguf accelerate"
@@ -58,7 +60,6 @@ def _check_inputs(path: str, out_dir: str, dtype: str) -> None:
 def _plain_model(loaded: Any) -> Any:
     """The loaded model's weights in its plain architecture class (no quantization config)."""
     import torch
-    import transformers
 
     config = loaded.config.to_dict()
     config.pop("quantization_config", None)
@@ -76,8 +77,6 @@ def _plain_model(loaded: Any) -> Any:
         raise GGUFError(f"the GGUF weights do not fit a plain {model_class.__name__}: {kind} tensor {name!r}")
     if config.tie_word_embeddings:
         plain.tie_weights()
-    if not isinstance(plain, transformers.PreTrainedModel):  # pragma: no cover - defensive
-        raise GGUFError(f"{model_class.__name__} is not a transformers model")
     return plain.eval()
 
 
@@ -101,10 +100,21 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise GGUFError(f"transformers cannot read {path!r}: {first}") from None
     model = _plain_model(loaded).to(getattr(torch, dtype))
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    for name in os.listdir(out_dir):  # safetensors leaves its file 0600; give every file the usual mode
-        os.chmod(os.path.join(out_dir, name), 0o666 & ~_umask())
+    # Written beside the target and renamed into place: an interrupted conversion leaves no half folder.
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".convert-gguf-", dir=parent)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        for name in os.listdir(tmp):  # safetensors leaves its file 0600; give every file the usual mode
+            os.chmod(os.path.join(tmp, name), 0o666 & ~_umask())
+        os.chmod(tmp, 0o777 & ~_umask())
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty: checked above
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
