@@ -38,7 +38,7 @@ from mage_jax import compilation_cache
 from mage_jax import config as C
 from mage_jax.models.hub import resolve_model_path
 from mage_jax.models.sharding import initialize_from_environment
-from mage_jax.training.run import finished_iteration
+from mage_jax.training.run import EvaluationInterrupted, finished_iteration
 from mage_jax.training.trainer import TrainingStopped
 
 EXIT_CONFIG_ERROR = 2
@@ -47,7 +47,8 @@ EXIT_TRAINING_STOPPED = 3
 an iteration has no valid row); one ``error:`` line names the cause and the last checkpoint."""
 EXIT_INTERRUPTED = 75
 """SIGTERM / SIGINT: a checkpoint was saved and the exact ``--resume`` command printed (EX_TEMPFAIL: a
-scheduler may simply run that command again). A second Ctrl-C exits at once with 130, saving nothing."""
+scheduler may simply run that command again); an evaluation-only run stops at its next turn and says
+what its directory holds. A second Ctrl-C exits at once with 130, saving nothing."""
 RESUMABLE_KEYS = ("train.iterations", "train.eval_every", "checkpoint.every", "checkpoint.keep",
                   "checkpoint.stop_during_updates", "logging.", "compile.")
 """What ``--resume`` may change: how long the run goes on, its evaluation and checkpoint cadences, its
@@ -211,8 +212,8 @@ def parse_command_line(
             raise C.ConfigError(f"--resume: {run_dir!r} holds no {C.CONFIG_FILE}; nothing to resume")
         if args.preset is not None or args.config is not None:
             raise C.ConfigError("--resume continues the run's saved config; drop --preset / --config")
-        saved = C.load(run_dir)
-        cfg = C.apply_overrides(saved, _ordered(overrides))
+        saved = C.with_model_folder(C.load(run_dir))
+        cfg = C.with_model_folder(C.apply_overrides(saved, _ordered(overrides)))
         _check_resume_overrides(saved, cfg)
         preset_name = None
     else:
@@ -224,7 +225,7 @@ def parse_command_line(
             preset_name = None
         else:
             cfg = C.apply_overrides(C.ExperimentConfig(name=experiment), presets[preset_name].overrides)
-        cfg = C.apply_overrides(cfg, _ordered(overrides))
+        cfg = C.with_model_folder(C.apply_overrides(cfg, _ordered(overrides)))
     if run_dir is None:
         run_dir = cfg.logging.run_dir or default_run_dir(experiment)
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir=run_dir))
@@ -326,4 +327,7 @@ def run_cli(
     except TrainingStopped as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_TRAINING_STOPPED
+    except EvaluationInterrupted as err:
+        print(err, file=sys.stderr)
+        return EXIT_INTERRUPTED
     return int(result) if isinstance(result, int) else 0

@@ -18,6 +18,8 @@ independent attempts without memory (the ReAct baseline); ``--preset small|paper
 
 Evaluation keys of the config may be overridden as usual (``--train.eval_meta_episodes 512``,
 ``--sampling.eval.temperature 0.7``); any problem is one ``error:`` line and exit status 2.
+SIGTERM or Ctrl-C stops the evaluation at its next turn with one line saying what the output folder
+holds (exit status 75, no traceback); a second Ctrl-C exits at once (130).
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ import jax
 
 from experiments.baselines import method as get_method
 from experiments.baselines import method_config, method_protocol
-from experiments.common import EXIT_CONFIG_ERROR, ConfigErrorParser, format_keys, split_dotted
+from experiments.common import (
+    EXIT_CONFIG_ERROR,
+    EXIT_INTERRUPTED,
+    ConfigErrorParser,
+    format_keys,
+    split_dotted,
+)
 from experiments.environments import environment
 from mage_jax import compilation_cache
 from mage_jax import config as C
@@ -43,7 +51,7 @@ from mage_jax.evaluation.report import results_table
 from mage_jax.models.hub import resolve_model_path
 from mage_jax.training.assemble import best_checkpoint_dir, build_parts, checkpoint_dir, evaluation_key
 from mage_jax.training.checkpoint import key_from_json
-from mage_jax.training.run import RunOutcome, evaluate
+from mage_jax.training.run import EvaluationInterrupted, RunOutcome, evaluate
 
 ZERO_SHOT_METHODS = ("react", "reflexion")
 
@@ -133,6 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except C.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except EvaluationInterrupted as err:
+        print(err, file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # Ctrl-C while the model loads, before the evaluation's own handlers are set
+        print("interrupted while building the evaluation: nothing was evaluated or kept", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(results_table(outcome.summary, environment(outcome.parts.cfg.env.name).titles))
     return 0
 

@@ -394,11 +394,19 @@ def plan_devices(cfg: C.ExperimentConfig, devices: int, *, layers: Sequence[int]
     return {
         "devices": devices, "mesh": dict(full.mesh.shape), "state": state, "kv_cache": kv_cache_bytes(full),
         "programs": programs, "peak": programs[largest]["need"], "largest": largest,
-        "model": {"name": cfg.model.preset, "params": _param_count(full.params),
+        "model": {**dataclasses.asdict(_model_name(cfg, model_path)), "params": _param_count(full.params),
                   "param_dtype": full.model_config.param_dtype, "dtype": full.model_config.dtype,
                   "remat": full.model_config.remat, "attention": full.model_config.attention},
         "layers_compiled": depths, "full_depth": depth,
     }
+
+
+def _model_name(cfg: C.ExperimentConfig, model_path: str | None) -> Any:
+    """The model by its folder's name and family when a folder gives it, else by its preset's."""
+    from mage_jax.models.config import ModelName
+
+    path = model_path or cfg.model.path
+    return ModelName.of_folder(path) if path is not None else ModelName.of_preset(cfg.model.preset)
 
 
 def _longest_row(cfg: C.ExperimentConfig) -> int:
@@ -604,7 +612,8 @@ def _request(argv: Sequence[str] | None) -> _Request:
 def table(plan: Mapping[str, Any], preset: str) -> str:
     """Markdown: one line per hardware (peak per device and verdict), then the programs per device count."""
     model = plan["model"]
-    lines = [f"{plan['env']} / {preset}: {model['name']} ({model['params'] / 1e9:.2f} B parameters, "
+    lines = [f"{plan['env']} / {preset}: {model['name']} ({model['family']}, {model['params'] / 1e9:.2f} B "
+             "parameters, "
              f"remat {model['remat']}), depth {plan['full_depth']} extrapolated from "
              f"{plan['layers_compiled']}",
              "", "| hardware | devices | peak / device | usable | verdict |", "|---|---|---|---|---|"]

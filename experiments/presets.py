@@ -266,7 +266,7 @@ class EnvExperiment:
             raise C.ConfigError(f"unknown preset {preset!r} for {self.name}; known: {known}")
         p = self.presets[preset]
         cfg = C.apply_overrides(C.ExperimentConfig(name=experiment or self.name), p.overrides)
-        cfg = C.apply_overrides(cfg, dict(overrides or {}))
+        cfg = C.with_model_folder(C.apply_overrides(cfg, dict(overrides or {})))
         p.check(preset, cfg, check_paths=check_paths)
         return C.validate(cfg, check_paths=check_paths)
 

@@ -128,9 +128,11 @@ class EnvConfig:
 class ModelSection:
     """Which decoder: a named ``ModelConfig`` preset (random init) or a local HF folder (weights loaded)."""
 
-    preset: str = "qwen3-4b"
+    preset: str | None = "qwen3-4b"
+    """A named ``ModelConfig`` preset (random init); None when ``path`` names the model."""
     path: str | None = None
-    """Local Hugging Face folder (config.json + safetensors). When set, it wins over ``preset``."""
+    """Local Hugging Face folder (config.json + safetensors). When set, it replaces ``preset``: the
+    resolved config names the model by its folder (``with_model_folder``)."""
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     """ModelConfig field overrides for from-scratch models (e.g. ``{"num_layers": 2}``)."""
     dtype: ActivationDtype = "float32"
@@ -402,6 +404,32 @@ def describe_keys() -> list[KeyInfo]:
 # validation
 
 
+def _check_context_length(cfg: ExperimentConfig) -> None:
+    """The longest row (prompt + response) must fit the pretrained model's context,
+    ``max_position_embeddings`` of its config.json: beyond it the model was never trained. (A
+    from-scratch model's preset field bounds nothing: its positions are all untrained alike.)"""
+    try:
+        with open(os.path.join(cfg.model.path, "config.json"), encoding="utf-8") as f:
+            limit = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return  # an unreadable config.json is reported by the loader
+    r = cfg.rollout
+    need = r.max_prompt_tokens + r.max_new_tokens
+    if isinstance(limit, int) and need > limit:
+        raise ConfigError(
+            f"rollout.max_prompt_tokens ({r.max_prompt_tokens}) + the longest response ({r.max_new_tokens}, "
+            f"rollout.max_response_tokens / max_reflection_tokens) = {need} tokens exceed the model's "
+            f"max_position_embeddings ({limit}) in {cfg.model.path!r}; lower them")
+
+
+def with_model_folder(cfg: ExperimentConfig) -> ExperimentConfig:
+    """``cfg`` with no model preset when a folder gives the model: the preset (e.g. ``qwen3-0.6b`` of the
+    ``small`` presets) would otherwise name a model the run does not use."""
+    if cfg.model.path is None or cfg.model.preset is None:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, preset=None))
+
+
 def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentConfig:
     """Raise ConfigError (one line) for the first impossible setting; return ``cfg`` when sound."""
     e, r, a, o, t = cfg.env, cfg.rollout, cfg.algorithm, cfg.optim, cfg.train
@@ -426,6 +454,7 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
         check(os.path.isfile(os.path.join(cfg.model.path, "config.json")),
                f"model.path {cfg.model.path!r} has no config.json; it must be a local Hugging Face "
                "model folder")
+        _check_context_length(cfg)
     if cfg.tokenizer.kind == "hf":
         tok_path = cfg.tokenizer.path or cfg.model.path
         check(tok_path is not None,

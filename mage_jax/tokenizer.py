@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,7 @@ class Tokenizer:
             ) from None
         if not getattr(hf, "chat_template", None):
             raise TokenizerError(f"the tokenizer in {str(folder)!r} has no chat template")
+        _warn_if_no_thinking_switch(str(hf.chat_template), folder, enable_thinking)
         eos_ids = _hf_stop_ids(hf, folder)
         if not eos_ids:
             raise TokenizerError(f"the tokenizer in {str(folder)!r} defines no end-of-sequence token")
@@ -330,6 +332,22 @@ def _word_decoder():
         decoders.Replace(Regex(f"(?<=[{after}]) "), ""),
         decoders.Replace(Regex(r"(?<=<[A-Za-z_][A-Za-z0-9_\-]*>) "), ""),
     ])
+
+
+_WARNED_NO_THINKING_SWITCH: set[str] = set()
+
+
+def _warn_if_no_thinking_switch(template: str, folder: Path, enable_thinking: bool) -> None:
+    """One ``warning:`` line per folder and process when the template ignores ``enable_thinking``
+    (Llama / SmolLM2 ChatML templates have no such switch; Qwen3's has), so the setting is not
+    silently without effect."""
+    key = str(folder.resolve())
+    if "enable_thinking" in template or key in _WARNED_NO_THINKING_SWITCH:
+        return
+    _WARNED_NO_THINKING_SWITCH.add(key)
+    print(f"warning: the chat template of {str(folder)!r} has no thinking switch: "
+          f"tokenizer.enable_thinking={str(enable_thinking).lower()} has no effect on its prompts",
+          file=sys.stderr)
 
 
 def _refuse_remote_code(folder: Path) -> None:

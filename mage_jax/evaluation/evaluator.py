@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -37,7 +38,7 @@ from mage_jax.evaluation.metrics import compute_metrics
 from mage_jax.evaluation.oracle import KuhnMetaEpisode, kuhn_oracle
 from mage_jax.evaluation.samples import Sample, sample_rows
 from mage_jax.progress import progress_bar
-from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutResult, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutProgress, RolloutResult, RunnerConfig
 from mage_jax.rollout.policy import Policy, RandomLegalPolicy
 from mage_jax.rollout.rows import Row
 from mage_jax.rollout.tasks import Task, TaskSampler
@@ -239,24 +240,61 @@ class Evaluator:
 
     def _run_split(self, name: str, tasks: list[Task], runner: Any, params: Any, split_key: jax.Array,
                    offset: int, stop: threading.Event | None) -> SplitResult:
+        # Meta-episodes are played in chunks of at least 128 at once (one batched rollout each); the bar
+        # hears the rollout's running totals, so it moves per finished meta-episode inside a chunk.
         chunk = max(self.cfg.rollout.num_tasks * self.cfg.rollout.group_size, 128)
         outcomes, rows = [], []
-        bar = progress_bar(total=len(tasks), desc=f"eval:{name}", enabled=self.progress, leave=False)
+        bar = _SplitBar(progress_bar(total=len(tasks), desc=f"eval:{name}", enabled=self.progress,
+                                     leave=False))
         for c_index, start in enumerate(range(0, len(tasks), chunk)):
             policy = self.parts.policy(params, jax.random.fold_in(split_key, offset + c_index),
                                        evaluation=True)
-            result = runner.run(tasks[start:start + chunk], policy, training=False, stop=stop)
+            bar.start_chunk()
+            result = runner.run(tasks[start:start + chunk], policy, training=False, stop=stop,
+                                progress=bar.report if self.progress else None)
             outcomes += result.outcomes
             rows += result.rows
             if c_index == 0:
                 samples = sample_rows(result.rows, getattr(self.parts, "tokenizer", None),
                                       self.cfg.logging.samples)
-            bar.update(len(result.outcomes))
-            bar.set_postfix(success=f"{np.mean([any(o.won) for o in outcomes]):.3f}",
-                            payoff=f"{np.mean([o.payoff[-1] for o in outcomes]):.3f}")
+            bar.end_chunk(len(outcomes), success=float(np.mean([any(o.won) for o in outcomes])),
+                          payoff=float(np.mean([o.payoff[-1] for o in outcomes])))
         bar.close()
         metrics = compute_metrics(outcomes, num_episodes=runner.config.num_episodes, rows=rows)
         return SplitResult(metrics, self.reference(name, tasks, runner), samples)
+
+
+class _SplitBar:
+    """The progress bar of one split: meta-episodes finished and response tokens per second."""
+
+    def __init__(self, bar: Any):
+        self.bar = bar
+        self.started = time.perf_counter()
+        self.done = self.tokens = 0
+        self._base = (0, 0)
+
+    def start_chunk(self) -> None:
+        self._base = (self.done, self.tokens)
+
+    def report(self, progress: RolloutProgress) -> None:
+        self._move(self._base[0] + progress.finished)
+        self.tokens = self._base[1] + progress.tokens
+        self.bar.set_postfix_str(self._rate())
+
+    def end_chunk(self, done: int, *, success: float, payoff: float) -> None:
+        self._move(done)
+        self.bar.set_postfix_str(f"success={success:.3f}, payoff={payoff:.3f}, {self._rate()}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _move(self, done: int) -> None:
+        if done > self.done:
+            self.bar.update(done - self.done)
+            self.done = done
+
+    def _rate(self) -> str:
+        return f"{self.tokens / max(time.perf_counter() - self.started, 1e-9):,.1f} tok/s"
 
 
 def transcripts(parts: EvalParts, params: Any, *, count: int = 4, opponent: str | None = None,

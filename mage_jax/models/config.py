@@ -358,3 +358,35 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-4b": _qwen3(hidden=2560, intermediate=9728, layers=36, heads=32, tie=True),
     "qwen3-8b": _qwen3(hidden=4096, intermediate=12288, layers=36, heads=32, tie=False),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelName:
+    """How runs and plans name their model: a preset by its name, a local folder by its own name.
+
+    A folder's name is its config.json's ``_name_or_path`` (last path part) when set, else the folder's
+    name; its family is the config's ``model_type`` (``llama``, ``qwen3``, ...).
+    """
+
+    name: str
+    family: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.family})"
+
+    @classmethod
+    def of_folder(cls, path: str | os.PathLike) -> ModelName:
+        folder = os.path.abspath(os.fspath(path))
+        try:
+            with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+                hf = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            hf = {}
+        hf = hf if isinstance(hf, Mapping) else {}
+        given = hf.get("_name_or_path")
+        name = os.path.basename(os.path.normpath(given)) if isinstance(given, str) and given.strip() else ""
+        return cls(name=name or os.path.basename(folder), family=str(hf.get("model_type") or "unknown"))
+
+    @classmethod
+    def of_preset(cls, preset: str) -> ModelName:
+        return cls(name=preset, family=ModelConfig.preset(preset).architecture)

@@ -15,7 +15,12 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mage_jax.rollout.meta_episode import MetaEpisodeOutcome, MetaEpisodeRunner, RolloutResult
+from mage_jax.rollout.meta_episode import (
+    MetaEpisodeOutcome,
+    MetaEpisodeRunner,
+    RolloutProgress,
+    RolloutResult,
+)
 from mage_jax.rollout.policy import Policy
 from mage_jax.rollout.tasks import Task
 
@@ -50,14 +55,19 @@ class IndependentAttemptsRunner:
         return IndependentAttemptsRunner(self.base.with_env_options(extra), self.config.num_episodes)
 
     def run(self, tasks: Sequence[Task], policy: Policy, *, training: bool = False,
-            progress: Callable[[int], None] | None = None,
+            progress: Callable[[RolloutProgress], None] | None = None,
             stop: threading.Event | None = None) -> RolloutResult:
         n, attempts = len(tasks), self.config.num_episodes
         copies = [
             dataclasses.replace(t, meta_episode=a * n + i, group=a * n + i)
             for a in range(attempts) for i, t in enumerate(tasks)
         ]
-        result = self.base.run(copies, policy, training=training, progress=progress, stop=stop)
+
+        def per_task(p: RolloutProgress) -> None:  # finished attempts in tasks' worth: the share done
+            progress(dataclasses.replace(p, finished=p.finished // attempts))
+
+        result = self.base.run(copies, policy, training=training,
+                               progress=None if progress is None else per_task, stop=stop)
         by_id = {o.meta_episode: o for o in result.outcomes}
         outcomes, kept = [], set()
         for i, task in enumerate(tasks):

@@ -226,6 +226,16 @@ def _advance(play: _Play, value: Generation | None) -> _Call | None:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutProgress:
+    """Running totals of one ``MetaEpisodeRunner.run``, reported after every round of generations:
+    rows generated, their response tokens, meta-episodes finished."""
+
+    rows: int = 0
+    tokens: int = 0
+    finished: int = 0
+
+
 class MetaEpisodeRunner:
     """Plays meta-episodes of one environment type in lockstep; environments are reused across runs."""
 
@@ -236,7 +246,8 @@ class MetaEpisodeRunner:
         self.env_options = dict(env_options or {})
         self.config = config or RunnerConfig()
         self._pool: list[TextEnv] = []
-        self._progress: Callable[[int], None] | None = None
+        self._progress: Callable[[RolloutProgress], None] | None = None
+        self._totals = RolloutProgress()
         make_env(env_name, **self.env_options)  # fail early and clearly on a bad name or options
 
     def with_env_options(self, extra: Mapping[str, Any]) -> MetaEpisodeRunner:
@@ -251,12 +262,13 @@ class MetaEpisodeRunner:
 
     # -- public --------------------------------------------------------------------------------
     def run(self, tasks: Sequence[Task], policy: Policy, *, training: bool,
-            progress: Callable[[int], None] | None = None,
+            progress: Callable[[RolloutProgress], None] | None = None,
             stop: threading.Event | None = None) -> RolloutResult:
-        """Play one meta-episode per task; returns every row and every outcome. ``progress`` is called
-        with the number of rows each collect produced (progress inside long work). Once ``stop`` is set
-        the rollout raises ``stopping.Interrupted`` at its next collect."""
+        """Play one meta-episode per task; returns every row and every outcome. ``progress`` hears the
+        running totals (``RolloutProgress``) after every round of generations (progress inside long work).
+        Once ``stop`` is set the rollout raises ``stopping.Interrupted`` at its next collect."""
         self._progress = progress
+        self._totals = RolloutProgress()
         start = time.perf_counter()
         self._rows: list[Row] = []
         self._row_keys: list[tuple[int, int, int, int]] = []
@@ -317,7 +329,9 @@ class MetaEpisodeRunner:
             call = _advance(plays[i], value)
             while call is not None and call.prompt is None:
                 call = _advance(plays[i], None)
-            if call is not None:
+            if call is None:
+                self._count(finished=1)
+            else:
                 waiting[i] = call
 
         for i in range(len(plays)):
@@ -343,13 +357,23 @@ class MetaEpisodeRunner:
                 raise Interrupted
             done = stream.collect()
             in_flight -= len(done)
-            if done and self._progress is not None:
-                self._progress(len(done))
+            self._count(generations=[gen for _, gen in done])
             for i, gen in done:
                 if gen.skipped:
                     self._stats["overflow_invalid"] += 1
                     gen = None
                 advance(i, gen)
+            if done:
+                self._report()
+
+    def _count(self, *, generations: Sequence[Generation | None] = (), finished: int = 0) -> None:
+        t = self._totals
+        tokens = sum(len(g.response_ids) for g in generations if g is not None)
+        self._totals = RolloutProgress(t.rows + len(generations), t.tokens + tokens, t.finished + finished)
+
+    def _report(self) -> None:
+        if self._progress is not None:
+            self._progress(self._totals)
 
     # -- one meta-episode ----------------------------------------------------------------------
     def _meta_episode(self, s: _MetaState, policy: Policy) -> _Play:

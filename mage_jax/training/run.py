@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +27,7 @@ from mage_jax.evaluation.plots import Selection
 from mage_jax.evaluation.report import build_summary, log_evaluation, write_plots, write_summary
 from mage_jax.logging import MetricsLogger
 from mage_jax.models.sharding import is_main_process
+from mage_jax.rollout.stopping import Interrupted
 from mage_jax.training.assemble import (
     RunParts,
     build_parts,
@@ -33,9 +35,15 @@ from mage_jax.training.assemble import (
     make_checkpointer,
     make_logger,
 )
+from mage_jax.training.signals import install_stop_signals
 from mage_jax.training.trainer import Trainer
 
 PROTOCOL_FILE = "experiment.json"
+class EvaluationInterrupted(Exception):
+    """SIGTERM / Ctrl-C stopped an evaluation-only run at its next turn; the message (one line) says
+    what its directory holds."""
+
+
 FINISHED_FILE = "finished.json"
 """Written atomically after a run's final records and summary: the run is complete, and ``--resume``
 of it reruns nothing."""
@@ -167,8 +175,18 @@ def evaluate(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, e
         parts = parts or build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)
     _write_run_files(cfg, protocol, run_dir)
     evaluator = Evaluator(parts, protocol, progress=cfg.logging.progress)
-    results = evaluator.evaluate(parts.init_params if params is None else params,
-                                 jax.random.key(cfg.train.seed) if key is None else key, heldout=True)
+    stop = threading.Event()  # SIGTERM / Ctrl-C: stop at the next turn, as training does
+    restore_signals = install_stop_signals(stop)
+    try:
+        results = evaluator.evaluate(parts.init_params if params is None else params,
+                                     jax.random.key(cfg.train.seed) if key is None else key, heldout=True,
+                                     stop=stop)
+    except Interrupted:
+        raise EvaluationInterrupted(
+            f"interrupted: the evaluation stopped before it finished; {run_dir} holds its config.json and "
+            "experiment.json but no results (run the command again to evaluate)") from None
+    finally:
+        restore_signals()
     with MetricsLogger(run_dir, config=C.to_dict(cfg)) as logger:
         log_evaluation(logger, iteration, results)
     summary = build_summary(

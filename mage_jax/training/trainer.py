@@ -47,8 +47,6 @@ skips, or an iteration in which every row is invalid (nothing to learn from), st
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import sys
 import threading
 import time
@@ -70,14 +68,13 @@ from mage_jax.evaluation.training_metrics import IterationTimings, iteration_met
 from mage_jax.logging import MetricsLogger
 from mage_jax.models.sharding import to_host
 from mage_jax.progress import NoBar, progress_bar
+from mage_jax.rollout.meta_episode import RolloutProgress
 from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices, pack_rows, pick_bucket
 from mage_jax.rollout.stopping import Interrupted
 from mage_jax.training.assemble import RunParts, advantage_config, evaluation_key, row_length_buckets
 from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
+from mage_jax.training.signals import install_stop_signals
 from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows
-
-EXIT_SECOND_INTERRUPT = 130
-"""Exit status of a second Ctrl-C (the shell's 128 + SIGINT): nothing is saved."""
 
 
 class TrainingStopped(RuntimeError):
@@ -175,11 +172,12 @@ class Trainer:
         result = parts.train_runner.run(tasks, policy, training=True, progress=self._rows_progress(iteration),
                                         stop=self._stop)
         t_rollout = time.perf_counter() - t0
-        self._check_rows(iteration, result.rows)
         every = cfg.logging.samples_every
-        if every > 0 and iteration % every == 0:
+        # An iteration that stops the run logs its samples first: they show what the model wrote.
+        if every > 0 and (iteration % every == 0 or self._all_invalid(result.rows)):
             samples = sample_rows(result.rows, parts.tokenizer, cfg.logging.samples)
             self.logger.log_samples(iteration, samples, split="train", text=render_markdown(samples))
+        self._check_rows(iteration, result.rows)
 
         mb, buckets = cfg.optim.mini_batch_rows, self.length_buckets
         packed = pack_rows(result.rows, row_bucket=mb, length_buckets=buckets, pad_id=parts.tokenizer.pad_id)
@@ -274,15 +272,13 @@ class Trainer:
             self.state = start_state
         raise Interrupted
 
-    def _rows_progress(self, iteration: int) -> Callable[[int], None] | None:
+    def _rows_progress(self, iteration: int) -> Callable[[RolloutProgress], None] | None:
         """Progress inside the rollout of ``iteration`` on the bar: rows generated so far."""
         if not self.cfg.logging.progress:
             return None
-        done = [0]
 
-        def report(rows: int) -> None:
-            done[0] += rows
-            self._bar.set_postfix_str(f"iteration {iteration}: rollout, {done[0]} rows generated")
+        def report(progress: RolloutProgress) -> None:
+            self._bar.set_postfix_str(f"iteration {iteration}: rollout, {progress.rows} rows generated")
 
         return report
 
@@ -293,16 +289,24 @@ class Trainer:
             raise TrainingStopped(
                 f"sampling iteration {iteration} gave non-finite log-probabilities: the parameters diverged "
                 f"(lower optim.lr); {self._last_checkpoint_note()}")
-        if not rows or not self.cfg.train.stop_when_all_invalid or any(row.valid for row in rows):
+        if not self._all_invalid(rows):
             return
         truncated = sum(row.truncated for row in rows)
         overflow = sum(row.overflow for row in rows)
         r = self.cfg.rollout
+        hints = [] if r.constrained_actions else ["--rollout.constrained_actions true"]
+        hints.append(f"a longer --rollout.max_response_tokens (now {r.max_response_tokens})")
+        samples = (f"; what the model wrote is in {self.logger.samples_path}"
+                   if self.cfg.logging.samples_every > 0 and self.logger.writes else "")
         raise TrainingStopped(
             f"every one of the {len(rows)} rows of iteration {iteration} is invalid ({truncated} truncated "
             f"at rollout.max_response_tokens={r.max_response_tokens}, {overflow} over "
             f"rollout.max_prompt_tokens={r.max_prompt_tokens}, the rest unparsable): nothing to train on; "
-            f"{self._last_checkpoint_note()}")
+            f"try {' or '.join(hints)}{samples}; {self._last_checkpoint_note()}")
+
+    def _all_invalid(self, rows: Sequence[Any]) -> bool:
+        """The iteration has rows, none valid, and the run is set to stop on that."""
+        return bool(rows) and self.cfg.train.stop_when_all_invalid and not any(row.valid for row in rows)
 
     def _check_skips(self, iteration: int, longest: int) -> None:
         limit = self.cfg.optim.max_skipped_updates
@@ -391,24 +395,7 @@ class Trainer:
 
     def _install_signals(self) -> Callable[[], None]:
         """SIGTERM and SIGINT request a stop at the next safe point; a second SIGINT exits at once."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-        def handler(signum: int, frame: Any) -> None:
-            if signum == signal.SIGINT and self._stop.is_set():
-                print("\ninterrupted again: exiting now without saving", file=sys.stderr, flush=True)
-                os._exit(EXIT_SECOND_INTERRUPT)
-            self._stop.set()
-
-        for sig in previous:
-            signal.signal(sig, handler)
-
-        def restore() -> None:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
-
-        return restore
+        return install_stop_signals(self._stop)
 
     def request_stop(self) -> None:
         """Stop at the next safe point, save a checkpoint and return (what SIGTERM and SIGINT do)."""

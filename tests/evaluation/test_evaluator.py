@@ -11,6 +11,7 @@ import pytest
 
 from experiments.environments import environment
 from mage_jax import config as C
+from mage_jax.evaluation import evaluator as evaluator_module
 from mage_jax.evaluation.evaluator import (
     EvalProtocol,
     EvalSplit,
@@ -142,3 +143,35 @@ def test_kuhn_poker_gets_the_oracle_and_other_games_the_random_reference_only_wh
     (name, tasks, runner), = Evaluator(ttt, EvalProtocol(random_reference=False)).splits(heldout=False)
     assert Evaluator(ttt, EvalProtocol(random_reference=False)).reference(name, tasks, runner) is None
     assert "random_success" in Evaluator(ttt, EvalProtocol()).reference(name, tasks, runner)
+
+
+class _RecordingBar:
+    def __init__(self, **kwargs):
+        self.total, self.updates, self.postfix = kwargs["total"], [], []
+
+    def update(self, n=1):
+        self.updates.append(n)
+
+    def set_postfix_str(self, text):
+        self.postfix.append(text)
+
+    def close(self):
+        pass
+
+
+def test_the_progress_bar_moves_per_finished_meta_episode_and_shows_tokens_per_second(monkeypatch):
+    """All meta-episodes of a split (up to 128) are played as one batched rollout; the bar still moves
+    as each finishes, not once at the end of the batch."""
+    bars = []
+
+    def progress_bar(**kwargs):
+        bars.append(_RecordingBar(**kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(evaluator_module, "progress_bar", progress_bar)
+    parts = _fake_parts("kuhn_poker", **{"train.eval_meta_episodes": 12})
+    Evaluator(parts, EvalProtocol(random_reference=False), progress=True).evaluate(None, jax.random.key(0),
+                                                                                    heldout=False)
+    (bar,) = bars
+    assert bar.total == 12 and sum(bar.updates) == 12 and len(bar.updates) > 1
+    assert all(text.endswith(" tok/s") for text in bar.postfix) and "success=" in bar.postfix[-1]

@@ -143,7 +143,9 @@ def build_hf_model_folder(path) -> str:
     tok = build_bpe_tokenizer(path, _corpus() * 8, vocab_size=800)
     eos = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
     vocab_size = -(-len(tok) // 8) * 8
-    config = ModelConfig.preset("tiny", vocab_size=vocab_size, **SMALLEST_DECODER)
+    # Qwen3's context, so that the pretrained presets' lengths pass the context check unchanged.
+    config = ModelConfig.preset("tiny", vocab_size=vocab_size, **SMALLEST_DECODER,
+                                max_position_embeddings=40960)
     hf_config = {**config.to_hf_config(), "eos_token_id": eos[0], "pad_token_id": eos[1]}
     build_random_causal_lm(hf_config, path)
     return str(path)

@@ -3,9 +3,13 @@ exit status 2 and leaves no run directory behind (so the corrected command is no
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from experiments import alfworld, baselines, evaluate, kuhn_poker, sokoban, table1, tic_tac_toe, webshop
+from experiments.environments import environment
 from mage_jax import config as C
 
 
@@ -67,6 +71,27 @@ def test_the_tiny_preset_with_a_pretrained_model_folder_is_refused(tmp_path, cap
     line = one_error_line(capsys)
     assert "preset 'tiny'" in line and "--preset small or paper" in line
     assert not run_dir.exists()
+
+
+def test_rows_longer_than_the_models_context_are_one_line_before_anything_is_written(tmp_path, capsys,
+                                                                                     tiny_hf_model):
+    folder = tmp_path / "short_context"
+    shutil.copytree(tiny_hf_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    run_dir = tmp_path / "run"
+    argv = ["--preset", "small", "--model-path", str(folder), "--run-dir", str(run_dir),
+            "--rollout.max_prompt_tokens", "1000", "--rollout.max_response_tokens", "16",
+            "--rollout.max_reflection_tokens", "30"]
+    assert kuhn_poker.main(argv) == 2
+    assert one_error_line(capsys) == (
+        "error: rollout.max_prompt_tokens (1000) + the longest response (30, rollout.max_response_tokens / "
+        f"max_reflection_tokens) = 1030 tokens exceed the model's max_position_embeddings (1024) in "
+        f"{str(folder)!r}; lower them")
+    assert not run_dir.exists()
+    fits = {"model.path": str(folder), "rollout.max_prompt_tokens": 1000, "rollout.max_response_tokens": 16,
+            "rollout.max_reflection_tokens": 24}
+    assert environment("kuhn_poker").config("small", fits).rollout.max_new_tokens == 24  # 1024: fits
 
 
 def test_list_keys_shows_type_default_the_presets_value_and_the_docstring(capsys):

@@ -16,7 +16,9 @@ from experiments.common import EXIT_INTERRUPTED, EXIT_TRAINING_STOPPED
 from mage_jax import config as C
 from mage_jax.evaluation.report import results_table
 from mage_jax.logging import read_jsonl
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner
 from mage_jax.rollout.policy import LLMPolicy
+from mage_jax.training import signals as signals_module
 from mage_jax.training import trainer as trainer_module
 from tests.experiments.conftest import comparable, sigterm_after_iteration
 from tests.training.test_checkpoint import flip_bytes
@@ -139,7 +141,7 @@ def test_a_signal_during_a_rollout_saves_promptly_exits_75_and_resumes_identical
 
 def test_a_second_ctrl_c_exits_at_once_without_saving(monkeypatch, capsys):
     exits = []
-    monkeypatch.setattr(trainer_module.os, "_exit", exits.append)
+    monkeypatch.setattr(signals_module.os, "_exit", exits.append)
     trainer = types.SimpleNamespace(_stop=trainer_module.threading.Event())
     before = signal.getsignal(signal.SIGINT)
     restore = trainer_module.Trainer._install_signals(trainer)
@@ -149,7 +151,7 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(monkeypatch, capsys):
         signal.raise_signal(signal.SIGINT)
     finally:
         restore()
-    assert exits == [trainer_module.EXIT_SECOND_INTERRUPT] == [130]
+    assert exits == [signals_module.EXIT_SECOND_INTERRUPT] == [130]
     assert "exiting now without saving" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is before  # the handler the run found is back
 
@@ -180,6 +182,8 @@ def test_updates_that_keep_being_skipped_stop_the_run_with_one_line_and_save_not
         ({"rollout.max_response_tokens": 1}, EXIT_TRAINING_STOPPED,
          "error: every one of the 48 rows of iteration 1 is invalid (48 truncated at "
          "rollout.max_response_tokens=1, 0 over rollout.max_prompt_tokens=512"),
+        ({"rollout.max_response_tokens": 1, "rollout.constrained_actions": False}, EXIT_TRAINING_STOPPED,
+         "error: every one of the 48 rows of iteration 1 is invalid ("),  # some rows end at once, untruncated
         ({"rollout.max_prompt_tokens": 16}, 2,
          "error: every prompt is longer than rollout.max_prompt_tokens=16 even without memory"),
     ],
@@ -187,9 +191,47 @@ def test_updates_that_keep_being_skipped_stop_the_run_with_one_line_and_save_not
 def test_a_run_that_would_train_on_nothing_is_refused_or_stopped_with_one_line(tmp_path, capsys, smoke_args,
                                                                                 overrides, code, message):
     capsys.readouterr()
-    assert kuhn_poker.main([*smoke_args(overrides), "--run-dir", str(tmp_path / "run")]) == code
+    run_dir = tmp_path / "run"
+    assert kuhn_poker.main([*smoke_args(overrides), "--run-dir", str(run_dir)]) == code
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message), err
+    if code == EXIT_TRAINING_STOPPED:  # the stop suggests the fixes and shows what the model wrote first
+        samples_file = run_dir / "samples.jsonl"
+        constrained = "try " if overrides.get("rollout.constrained_actions", True) else (
+            "try --rollout.constrained_actions true or ")
+        assert (f"the rest unparsable): nothing to train on; {constrained}a longer "
+                f"--rollout.max_response_tokens (now 1); what the model wrote is in {samples_file}; "
+                "no checkpoint was saved") in err[0]
+        samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+        assert samples and {(s["split"], s["iteration"]) for s in samples} == {("train", 1)}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_stops_an_evaluation_at_its_next_turn_with_one_line_and_no_traceback(
+        finished_run, tmp_path, monkeypatch, capsys, sig):
+    """The signal lands as the evaluation's first rollout starts: it stops there (exit 75), says what the
+    output folder holds in one line, writes no results and puts the handlers it found back."""
+    _, run_dir, _ = finished_run
+    out = tmp_path / "eval"
+    original_run, rollouts = MetaEpisodeRunner.run, []
+
+    def run(self, tasks, policy, **kwargs):
+        rollouts.append(len(tasks))
+        os.kill(os.getpid(), sig)
+        return original_run(self, tasks, policy, **kwargs)
+
+    monkeypatch.setattr(MetaEpisodeRunner, "run", run)
+    before = signal.getsignal(signal.SIGINT)
+    capsys.readouterr()
+    argv = ["--checkpoint", str(run_dir), "--out", str(out), "--set", "logging.plots=false"]
+    assert evaluate.main(argv) == EXIT_INTERRUPTED
+    assert len(rollouts) == 1  # no later split or chunk was started
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"interrupted: the evaluation stopped before it finished; {out} holds its config.json and "
+                   "experiment.json but no results (run the command again to evaluate)"]
+    assert {"config.json", "experiment.json"} <= set(os.listdir(out))
+    assert not (out / "summary.json").exists() and not (out / "metrics.jsonl").exists()
+    assert signal.getsignal(signal.SIGINT) is before  # the handlers the command found are back
 
 
 def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):

@@ -106,6 +106,7 @@ def test_plan_of_the_tiny_preset_end_to_end():
     assert "compiling train_grads on 2 devices" in proc.stderr  # progress while compiling
     out = json.loads(proc.stdout)
     assert out["env"] == "kuhn_poker" and out["preset"] == "tiny"
+    assert (out["model"]["name"], out["model"]["family"]) == ("tiny", "qwen3")  # a folder: its own name
     assert out["layers_compiled"] == [2] and out["full_depth"] == 2
     (p,) = out["plans"]
     assert p["devices"] == 2 and p["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}

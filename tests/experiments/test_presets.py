@@ -33,6 +33,13 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
+def test_a_model_folder_replaces_the_presets_model_name_in_the_resolved_config(model_dir):
+    cfg = environment("kuhn_poker").config("small", {"model.path": model_dir})
+    assert cfg.model.preset is None and cfg.model.path == model_dir
+    assert C.to_dict(cfg)["model"]["preset"] is None  # config.json no longer says qwen3-0.6b
+    assert environment("kuhn_poker").config("tiny").model.preset == "tiny"
+
+
 @pytest.mark.parametrize("env", ENVS)
 def test_every_environment_has_the_three_scales(env):
     assert set(environment(env).presets) >= {"tiny", "small", "paper"}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import pytest
 
 from mage_jax.models import ModelConfig
+from mage_jax.models.config import ModelName
 
 QWEN3_0_6B_CONFIG_JSON = {  # the published Qwen/Qwen3-0.6B config.json (transformers 4.x layout)
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
@@ -103,3 +105,15 @@ def test_bad_field_values_and_unknown_presets_are_refused():
     with pytest.raises(ValueError, match="missing 'vocab_size'"):
         ModelConfig.from_hf_config({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 8,
                                     "num_attention_heads": 2})
+
+
+def test_a_folder_names_its_model_by_its_own_name_and_family(tmp_path):
+    folder = tmp_path / "smollm2-135m-instruct"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert ModelName.of_folder(folder) == ModelName("smollm2-135m-instruct", "llama")
+    assert str(ModelName.of_folder(folder)) == "smollm2-135m-instruct (llama)"
+    hub = {"model_type": "qwen3", "_name_or_path": "Qwen/Qwen3-0.6B"}
+    (folder / "config.json").write_text(json.dumps(hub))
+    assert ModelName.of_folder(folder) == ModelName("Qwen3-0.6B", "qwen3")
+    assert ModelName.of_preset("qwen3-0.6b") == ModelName("qwen3-0.6b", "qwen3")

@@ -3,12 +3,13 @@
 import re
 import threading
 
+import numpy as np
 import pytest
 
 from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, TextEnv, register_env
 from mage_jax.generate.constraints import WordSequence
-from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutProgress, RunnerConfig
 from mage_jax.rollout.policy import ScriptedPolicy
 from mage_jax.rollout.stopping import Interrupted
 from mage_jax.rollout.tasks import Task, TaskSampler, TaskSamplerConfig
@@ -131,11 +132,45 @@ def test_reflection_rows_come_only_after_lost_episodes_that_have_a_next_episode(
     assert result.outcomes[2].reflections == ["note-2-1", "note-2-2"]
 
 
-def test_the_progress_callback_hears_the_rows_of_every_generate_call():
+def test_the_progress_callback_hears_rows_tokens_and_finished_meta_episodes_after_every_round():
     policy, heard = scripted(wins_at({0: 1, 3: 1})), []
     result = runner(num_episodes=2).run(tasks_for([0, 1, 2, 3], group_size=2), policy, training=True,
                                         progress=heard.append)
-    assert heard == [len(call) for call in policy.calls] and sum(heard) == len(result.rows)
+    calls = np.cumsum([len(call) for call in policy.calls])
+    assert [p.rows for p in heard] == list(calls)  # one report per batched generate call (lockstep)
+    assert heard[-1] == RolloutProgress(rows=len(result.rows), finished=8,
+                                        tokens=sum(len(r.response_ids) for r in result.rows))
+    finished = [p.finished for p in heard]
+    # the winners of episode 0's first turn (seeds 0 and 3: 4 copies) finish long before the others
+    assert finished == sorted(finished) and 0 < finished[1] < 8 == finished[-1]
+
+
+class _ScriptedStream:
+    """A continuous-batching stream over a scripted policy: each collect answers every pending request."""
+
+    def __init__(self, policy):
+        self.policy, self.pending = policy, []
+
+    @property
+    def busy(self):
+        return bool(self.pending)
+
+    def submit(self, tag, request, key_path, priority=()):
+        self.pending.append((tag, request))
+
+    def collect(self):
+        batch, self.pending = self.pending, []
+        return list(zip([tag for tag, _ in batch], self.policy.generate([r for _, r in batch])))
+
+
+def test_the_streaming_schedule_reports_the_same_running_totals():
+    policy, heard = scripted(wins_at({0: 1, 3: 1})), []
+    policy.open_stream = lambda: _ScriptedStream(policy)
+    result = runner(num_episodes=2).run(tasks_for([0, 1, 2, 3], group_size=2), policy, training=True,
+                                        progress=heard.append)
+    assert heard[-1] == RolloutProgress(rows=len(result.rows), finished=8,
+                                        tokens=sum(len(r.response_ids) for r in result.rows))
+    assert [p.finished for p in heard] == sorted(p.finished for p in heard) and heard[0].finished < 8
 
 
 def test_every_turn_is_one_batched_generate_call_over_all_active_meta_episodes():
