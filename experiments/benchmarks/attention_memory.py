@@ -23,6 +23,7 @@ the preset's attention and remat policy) and writes the JSON report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -69,7 +70,8 @@ def program_memory(program: str, layers: Sequence[int], *, length: int, rows: in
         elif program == "logprobs":
             compiled = plan.compile_logprobs(setup, rows, length)
         elif program == "sampler":
-            compiled = plan.plan_rollout(setup, (rows, prompt, length - prompt))
+            sampling = dataclasses.replace(plan.rollout_sampling(setup), max_new_tokens=length - prompt)
+            compiled = setup.sampler.lower(setup.params, sampling, rows=rows, prompt_len=prompt).compile()
         else:
             raise ValueError(f"unknown program {program!r}")
         measured[n] = plan.ProgramMemory.of(compiled).as_dict()
