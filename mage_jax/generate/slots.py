@@ -294,12 +294,15 @@ class SlotSampler:
         def run(state, slots: Slots, tokens, valid, src, donor, base, prompt_lens, dst, limits, table, paths,
                 key, temperature, top_p) -> Slots:
             # Targets arrive by device block ([ways, t]: ``dst`` and ``donor`` index slots inside the block),
-            # so every gather and scatter into the slots stays on the device that holds them; the prefill
-            # rows (``tokens``) are the same on every device.
+            # so every gather and scatter into the slots stays on the device that holds them; the prefill's
+            # prompt rows shard over the batch axes (each device prefills rows / ways prompts) and each
+            # layer's keys and values are gathered from them where a block copies them.
             self.compile_count += 1  # runs once per trace
             model = nnx.merge(graphdef, state)
             specs = self._leaf_specs(slots)
             rows, p = tokens.shape
+            if rows % self.ways == 0:
+                tokens, valid = self._constrain(tokens, specs.last), self._constrain(valid, specs.last)
             temp = init_cache(config, rows, p, sampler.cache_dtype)
             hidden, temp = prefill(model, tokens, valid, temp)
             copied = donor >= 0
@@ -309,15 +312,16 @@ class SlotSampler:
                 out = jax.vmap(f)(self._blocks(x, spec), *per_target)
                 return self._constrain(out.reshape((-1,) + out.shape[2:]), spec)
 
-            prompt_hidden = jax.vmap(lambda h, f: h[f])(self._blocks(slots.prompt_hidden, specs.prompt_hidden),
-                                                        from_slot)
+            held = self._blocks(slots.prompt_hidden, specs.prompt_hidden)
+            prompt_hidden = jax.vmap(lambda h, f: h[f])(held, from_slot)
             last_hidden = jnp.where(copied[..., None], prompt_hidden, hidden[:, -1, :][src])  # [ways, t, H]
             flat = functools.partial(self._flat_rows, spec=specs.last)
             logits = model.logits(flat(last_hidden)[:, None, :])[:, 0]  # [ways * t, V]
             zeros = jnp.zeros(src.size, jnp.int32)
             done0 = flat(limits <= 0)
-            drawn = token_step(logits, flat(table), zeros, row_keys(key, flat(paths), zeros), done0, temperature,
-                               top_p, choice=static, eos_ids=eos_ids, pad_id=pad_id)
+            keys = row_keys(key, flat(paths), zeros)
+            drawn = token_step(logits, flat(table), zeros, keys, done0, temperature, top_p, choice=static,
+                               eos_ids=eos_ids, pad_id=pad_id)
             token, logp, auto, hit = drawn.token, drawn.logp, drawn.auto, drawn.eos
             length = jnp.where(done0, 0, 1).astype(jnp.int32)
             n = slots.tokens.shape[1]
@@ -358,7 +362,7 @@ class SlotSampler:
                 key_path=put(slots.key_path, flat(paths), specs.key_path),
                 tokens=put(slots.tokens, row_tokens, specs.tokens),
                 logprobs=put(slots.logprobs, row_logps, specs.logprobs),
-                prompt_hidden=put(slots.prompt_hidden, last_hidden.reshape(src.size, -1), specs.prompt_hidden),
+                prompt_hidden=put(slots.prompt_hidden, flat(last_hidden), specs.prompt_hidden),
             )
 
         return jax.jit(run, donate_argnums=(1,))
