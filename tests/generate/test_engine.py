@@ -309,6 +309,9 @@ _SHARDED = textwrap.dedent(
     # Uneven limits free slots in the middle of the blocks: running slots move to the front of theirs.
     requests = [EngineRequest(i, tuple(range(4 + i % 9, 14 + i % 7)), 1 + (5 * i) % 6, None, (i, 0, 0))
                 for i in range(24)]
+    # Copies of one prompt, later on: some land on the device of a slot that holds it (copied), others
+    # on devices that do not (prefilled again there: no cache row crosses devices).
+    requests += [EngineRequest(i, tuple(range(4, 14)), 6, None, (i, 0, 0)) for i in range(24, 40)]
     out = {}
     for name, mesh in (("one", None), ("data2_fsdp4", make_mesh(MeshConfig(data=2, fsdp=4, tensor=1)))):
         placed = state if mesh is None else shard_state(state, mesh)
@@ -318,8 +321,12 @@ _SHARDED = textwrap.dedent(
         session = engine.session(placed, params, jax.random.key(0))
         results = generate_all(session, requests)
         k = session.slots.cache.k[0]
+        insert = engine.kernels.lower_insert(placed, params, prompts=16, targets=16, prompt_len=16).compile()
         out[name] = {
-            "tokens": [results[i].tokens.tolist() for i in range(24)],
+            "tokens": [results[i].tokens.tolist() for i in range(40)],
+            "prefill_rows": session.stats.prefill_rows,
+            "insert_temp": insert.memory_analysis().temp_size_in_bytes,
+            "whole_cache": sum(c.nbytes for c in session.slots.cache.k + session.slots.cache.v),
             "moves": session.stats.moves, "bucket_steps": session.stats.bucket_steps,
             "compiles": engine.compile_count,
             "cache_bytes": [k.nbytes, max(s.data.nbytes for s in k.addressable_shards)],
@@ -341,6 +348,12 @@ def test_slots_and_their_cache_shard_over_the_mesh_batch_axes_on_8_devices():
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     one, sharded = result["one"], result["data2_fsdp4"]
     assert sharded["tokens"] == one["tokens"]
+    assert all(t == one["tokens"][24] for t in one["tokens"][25:])  # greedy copies of one prompt
+    # Copies of a prompt held on another device are prefilled there instead of copied across devices.
+    assert sharded["prefill_rows"] > one["prefill_rows"]
+    # An insert of every slot keeps each device's slots on it: no device holds every slot's cache.
+    assert sharded["insert_temp"] < sharded["whole_cache"] / 2, (sharded["insert_temp"],
+                                                                  sharded["whole_cache"])
     # Slots moved within their device's block, and chunks ran over one slot per device (8 rows).
     assert sharded["moves"] > 0 and sharded["bucket_steps"].get("8", 0) > 0
     assert set(sharded["bucket_steps"]) <= {"8", "16"}
