@@ -8,7 +8,11 @@ slot state they share; scheduling (which request goes where, prefix sharing, pac
 * ``insert``: prefill ``U`` distinct prompts (left-padded to a prompt bucket ``P``, causal attention
   among the prompt tokens only, exactly the sampler's prefill), copy their keys and values into ``T``
   target slots (``U <= T``: the G copies of a group are prefilled once and copied G times) at cache
-  positions ``0..P-1``, and draw each target's first token from the prefill logits.
+  positions ``0..P-1``, and draw each target's first token from the prefill logits. The prompt rows
+  shard over the batch axes; the targets arrive by device block and each device copies keys and values
+  into its own slots only (``_on_blocks``, a ``shard_map``), so a donor slot must lie on its target's
+  device. (Copies at global slot indices made XLA hold every target's keys and values of every layer on
+  every device: 332 GB per device for Kuhn Poker ``paper`` on 8 H100, 31 GB now.)
 * ``decode``: up to ``chunk`` decode steps of every slot at once, leaving the loop early when every slot
   is done. Each slot writes at its own cache position and attends over its own span
   ``kv_start .. write`` (per-row ``cache_index`` of ``models.transformer``), so a slot that holds a
@@ -19,7 +23,8 @@ slot state they share; scheduling (which request goes where, prefix sharing, pac
   and free the sources; the engine packs the running slots into the front of each block with it.
 
 Slots shard over the mesh's batch axes in contiguous blocks of ``local_slots``; viewed as
-``[ways, local_slots, ...]`` a slot bucket and a move stay on each device (no cache row crosses devices).
+``[ways, local_slots, ...]`` an insert's copies, a slot bucket and a move stay on each device (no cache
+row crosses devices).
 
 Static shapes: the slot count ``S``, the cache length ``L = largest prompt bucket + max_new_tokens``,
 the response buffer ``N = max_new_tokens``, the automaton states ``Q``; an insert compiles once per
@@ -270,8 +275,8 @@ class SlotSampler:
     def lower_insert(self, state: Any, params: SamplingParams, *, prompts: int, targets: int,
                      prompt_len: int, num_states: int = 1) -> jax.stages.Lowered:
         """The insert program of ``prompts`` distinct prompts of ``prompt_len`` tokens into ``targets``
-        slots (row buckets), lowered ahead of time for ``state`` (arrays or ``ShapeDtypeStruct`` leaves
-        with their shardings); nothing is allocated."""
+        slots spread evenly over the device blocks (row buckets), lowered ahead of time for ``state``
+        (arrays or ``ShapeDtypeStruct`` leaves with their shardings); nothing is allocated."""
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
         block = (self.ways, shapes.bucket(-(-targets // self.ways), self.row_buckets))  # spread evenly
         args = (state, self.abstract_slots(num_states), i32((prompts, prompt_len)),
