@@ -313,10 +313,6 @@ class SlotSampler:
             copied = donor >= 0
             from_slot = jnp.maximum(donor, 0)
 
-            def by_block(f, x, spec, *per_target):  # f(block [local, ...], *[t, ...]) per device block
-                out = jax.vmap(f)(self._blocks(x, spec), *per_target)
-                return self._constrain(out.reshape((-1,) + out.shape[2:]), spec)
-
             held = self._blocks(slots.prompt_hidden, specs.prompt_hidden)
             prompt_hidden = jax.vmap(lambda h, f: h[f])(held, from_slot)
             last_hidden = jnp.where(copied[..., None], prompt_hidden, hidden[:, -1, :][src])  # [ways, t, H]
@@ -335,7 +331,7 @@ class SlotSampler:
 
             def put(array, value, spec):
                 value = value.reshape(src.shape + value.shape[1:])
-                return by_block(lambda b, d, v: b.at[d].set(v, mode="drop"), array, spec, dst, value)
+                return self._on_blocks(lambda b, d, v: b.at[d].set(v, mode="drop"), array, spec, (dst, value))
 
             def copy_keys(block, d, f, c, s, x):  # keys [local, Hkv, D, L]: the donor's first P positions
                 return block.at[d, :, :, :p].set(
@@ -346,9 +342,9 @@ class SlotSampler:
                     jnp.where(c[:, None, None, None], block[f, :, :p, :], x[s]), mode="drop")
 
             cache = KVCache(
-                k=tuple(self._on_blocks(copy_keys, c, spec, dst, from_slot, copied, src, x)
+                k=tuple(self._on_blocks(copy_keys, c, spec, (dst, from_slot, copied, src), x)
                         for c, x, spec in zip(slots.cache.k, temp.k, specs.cache.k)),
-                v=tuple(self._on_blocks(copy_values, c, spec, dst, from_slot, copied, src, x)
+                v=tuple(self._on_blocks(copy_values, c, spec, (dst, from_slot, copied, src), x)
                         for c, x, spec in zip(slots.cache.v, temp.v, specs.cache.v)),
             )
             done = done0 | hit | (length >= flat(limits))
@@ -393,22 +389,23 @@ class SlotSampler:
         """[ways, b, ...] -> [ways * b, ...], sharded like slot rows."""
         return self._constrain(x.reshape((-1,) + x.shape[2:]), spec)
 
-    def _on_blocks(self, fn: Callable, x: jax.Array, spec: Any, *per_target: jax.Array) -> jax.Array:
-        """``fn(block, *targets, shared)`` on every device's own block of slot array ``x`` [S, ...]:
-        ``per_target`` are [ways, t] arrays (one row per block), the last argument of ``fn`` is ``shared``
-        [U, ...], the same rows on every device (its other axes sharded like ``x``'s). A ``shard_map``, so
-        that gathers and scatters at per-block indices never move a block off its device."""
-        *targets, shared = per_target
+    def _on_blocks(self, fn: Callable, x: jax.Array, spec: Any, targets: Sequence[jax.Array],
+                   shared: jax.Array | None = None) -> jax.Array:
+        """``fn(block, *targets[, shared])`` on every device's own block of slot array ``x`` [S, ...]:
+        ``targets`` are [ways, t, ...] arrays (one row per block), ``shared`` [U, ...] the same rows on
+        every device (its other axes sharded like ``x``'s). A ``shard_map``, so that gathers and scatters
+        at per-block indices never move a block off its device."""
+        extra = () if shared is None else (shared,)
         if spec is None:
-            return fn(x, *(a[0] for a in targets), shared)
-        rows = P(spec[0], None)
+            return fn(x, *(a[0] for a in targets), *extra)
 
         def local(block, *args):
-            *ts, u = args
-            return fn(block, *(a[0] for a in ts), u)
+            n = len(targets)
+            return fn(block, *(a[0] for a in args[:n]), *args[n:])
 
-        return jax.shard_map(local, in_specs=(spec, *([rows] * len(targets)), P(None, *spec[1:])),
-                             out_specs=spec)(x, *targets, shared)
+        in_specs = (spec, *(P(spec[0], *([None] * (a.ndim - 1))) for a in targets),
+                    *(P(None, *spec[1:]) for _ in extra))
+        return jax.shard_map(local, in_specs=in_specs, out_specs=spec)(x, *targets, *extra)
 
     def _flat_rows(self, x: jax.Array, spec: Any) -> jax.Array:
         """[ways, t, ...] (targets by block) -> [ways * t, ...], sharded like slot rows."""
