@@ -204,8 +204,9 @@ def paper_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
         **_pretrained(env, **kwargs),
         "model.preset": "qwen3-4b",
         "model.dtype": "bfloat16",
-        # Fits 8 x H100 80 GB and a TPU v5p-8 (4 chips of 95 GiB) by python -m experiments.plan: gradients
-        # accumulated over 8-row micro-batches (1 row per device on 8, 2 on 4), 64 rows decoded at once.
+        # Fits 8 x H100 80 GB and a TPU v5p-8 (4 chips of 95 GiB) by python -m experiments.plan (docs/
+        # scaling.md): gradients accumulated over 8-row micro-batches (1 row per device on 8, 2 on 4), 64
+        # engine slots decoded at once, each device prefilling and copying its own slots' prompts.
         "optim.micro_batch_rows": 8,
         "rollout.max_decode_rows": 64,
         "rollout.num_tasks": p.num_tasks,

@@ -252,9 +252,12 @@ class EngineSession:
             return
         take = [heapq.heappop(self.queue)[2] for _ in range(min(len(self.free), len(self.queue)))]
         targets = self._targets(len(take))
-        # A prompt some slot already holds is copied from it; the others are prefilled, each once.
+        # A prompt some slot of the target's device already holds is copied from it (no cache row crosses
+        # devices); the others are prefilled, each once.
+        local = self.kernels.local_slots
         unique: dict[tuple[int, ...], int] = {}
-        donors = [self.prefixes.get(r.prompt_ids) for r in take]
+        donors = [d if d is not None and d.slot // local == slot // local else None
+                  for d, slot in zip((self.prefixes.get(r.prompt_ids) for r in take), targets)]
         source = [0 if d is not None else unique.setdefault(r.prompt_ids, len(unique))
                   for r, d in zip(take, donors)]
         prompts = list(unique)

@@ -8,7 +8,11 @@ slot state they share; scheduling (which request goes where, prefix sharing, pac
 * ``insert``: prefill ``U`` distinct prompts (left-padded to a prompt bucket ``P``, causal attention
   among the prompt tokens only, exactly the sampler's prefill), copy their keys and values into ``T``
   target slots (``U <= T``: the G copies of a group are prefilled once and copied G times) at cache
-  positions ``0..P-1``, and draw each target's first token from the prefill logits.
+  positions ``0..P-1``, and draw each target's first token from the prefill logits. The prompt rows
+  shard over the batch axes; the targets arrive by device block and each device copies keys and values
+  into its own slots only (``_on_blocks``, a ``shard_map``), so a donor slot must lie on its target's
+  device. (Copies at global slot indices made XLA hold every target's keys and values of every layer on
+  every device: 332 GB per device for Kuhn Poker ``paper`` on 8 H100, 31 GB now.)
 * ``decode``: up to ``chunk`` decode steps of every slot at once, leaving the loop early when every slot
   is done. Each slot writes at its own cache position and attends over its own span
   ``kv_start .. write`` (per-row ``cache_index`` of ``models.transformer``), so a slot that holds a
@@ -19,7 +23,8 @@ slot state they share; scheduling (which request goes where, prefix sharing, pac
   and free the sources; the engine packs the running slots into the front of each block with it.
 
 Slots shard over the mesh's batch axes in contiguous blocks of ``local_slots``; viewed as
-``[ways, local_slots, ...]`` a slot bucket and a move stay on each device (no cache row crosses devices).
+``[ways, local_slots, ...]`` an insert's copies, a slot bucket and a move stay on each device (no cache
+row crosses devices).
 
 Static shapes: the slot count ``S``, the cache length ``L = largest prompt bucket + max_new_tokens``,
 the response buffer ``N = max_new_tokens``, the automaton states ``Q``; an insert compiles once per
@@ -223,30 +228,38 @@ class SlotSampler:
         if u and (max(lengths) > sampler.prompt_buckets[-1] or min(lengths) == 0):
             raise ValueError(f"prompts must have 1..{sampler.prompt_buckets[-1]} tokens")
         p_bucket = self.prompt_bucket(prompts, donors)
-        t_bucket = shapes.bucket(t, self.row_buckets)
-        u_bucket = min(shapes.bucket(u, self.row_buckets), t_bucket)
-        u_bucket = max(u_bucket, 1)
+        local, ways = self.local_slots, self.ways
+        per_block: list[list[int]] = [[] for _ in range(ways)]  # request indices by their target's device
+        for i, (slot, d) in enumerate(zip(targets, donors)):
+            if d is not None and d.slot // local != slot // local:
+                raise ValueError(f"donor slot {d.slot} and target slot {slot} lie on different devices")
+            per_block[slot // local].append(i)
+        t_bucket = shapes.bucket(max(len(b) for b in per_block), self.row_buckets)
+        u_bucket = max(min(shapes.bucket(u, self.row_buckets), t_bucket * ways), 1)
         tokens, valid = shapes.left_padded(prompts, u_bucket, p_bucket, pad_id=sampler.pad_id,
                                            vocab_size=sampler.vocab_size)
         valid[u:, -1] = True  # dummy prompts: one real token, so their (discarded) prefill stays finite
-        src = np.zeros(t_bucket, np.int32)
-        donor = np.full(t_bucket, -1, np.int32)  # -1: from the prefill
-        base = np.full(t_bucket, p_bucket, np.int32)  # the cache position of the first decode step
-        lens = np.ones(t_bucket, np.int32)
-        for i, d in enumerate(donors):
-            if d is None:
-                src[i] = source[i]
-                lens[i] = len(prompts[source[i]])
-            else:
-                donor[i], base[i], lens[i] = d.slot, d.bucket, d.length
-        dst = np.full(t_bucket, self.num_slots, np.int32)  # out of range: dropped by the scatters
-        dst[:t] = targets
-        lim = np.zeros(t_bucket, np.int32)
-        lim[:t] = np.minimum(np.asarray(limits), self.max_new_tokens)
-        table = np.full((t_bucket, slots.num_states, sampler.vocab_size), -1, np.int32)
-        table[:t] = transitions
-        paths = np.zeros((t_bucket, KEY_PATH_LEN), np.int32)
-        paths[:t] = key_paths
+        shape = (ways, t_bucket)
+        src = np.zeros(shape, np.int32)
+        donor = np.full(shape, -1, np.int32)  # -1: from the prefill; else the donor's index in the block
+        base = np.full(shape, p_bucket, np.int32)  # the cache position of the first decode step
+        lens = np.ones(shape, np.int32)
+        dst = np.full(shape, local, np.int32)  # out of the block: dropped by the scatters
+        lim = np.zeros(shape, np.int32)
+        table = np.full(shape + (slots.num_states, sampler.vocab_size), -1, np.int32)
+        paths = np.zeros(shape + (KEY_PATH_LEN,), np.int32)
+        for w, block in enumerate(per_block):
+            for j, i in enumerate(block):
+                d = donors[i]
+                if d is None:
+                    src[w, j] = source[i]
+                    lens[w, j] = len(prompts[source[i]])
+                else:
+                    donor[w, j], base[w, j], lens[w, j] = d.slot % local, d.bucket, d.length
+                dst[w, j] = targets[i] % local
+                lim[w, j] = min(limits[i], self.max_new_tokens)
+                table[w, j] = transitions[i]
+                paths[w, j] = key_paths[i]
         temperature, top_p = runtime_values(params)
         with self._mesh_context():
             return self._insert_program(params)(state, slots, tokens, valid, src, donor, base, lens, dst, lim,
@@ -262,12 +275,13 @@ class SlotSampler:
     def lower_insert(self, state: Any, params: SamplingParams, *, prompts: int, targets: int,
                      prompt_len: int, num_states: int = 1) -> jax.stages.Lowered:
         """The insert program of ``prompts`` distinct prompts of ``prompt_len`` tokens into ``targets``
-        slots (row buckets), lowered ahead of time for ``state`` (arrays or ``ShapeDtypeStruct`` leaves
-        with their shardings); nothing is allocated."""
+        slots spread evenly over the device blocks (row buckets), lowered ahead of time for ``state``
+        (arrays or ``ShapeDtypeStruct`` leaves with their shardings); nothing is allocated."""
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        block = (self.ways, shapes.bucket(-(-targets // self.ways), self.row_buckets))  # spread evenly
         args = (state, self.abstract_slots(num_states), i32((prompts, prompt_len)),
-                jax.ShapeDtypeStruct((prompts, prompt_len), jnp.bool_), *(i32((targets,)) for _ in range(6)),
-                i32((targets, num_states, self.sampler.vocab_size)), i32((targets, KEY_PATH_LEN)),
+                jax.ShapeDtypeStruct((prompts, prompt_len), jnp.bool_), *(i32(block) for _ in range(6)),
+                i32(block + (num_states, self.sampler.vocab_size)), i32(block + (KEY_PATH_LEN,)),
                 jax.random.key(0), *runtime_values(params))
         with self._mesh_context():
             return self._insert_program(params).lower(*args)
@@ -284,56 +298,72 @@ class SlotSampler:
 
         def run(state, slots: Slots, tokens, valid, src, donor, base, prompt_lens, dst, limits, table, paths,
                 key, temperature, top_p) -> Slots:
+            # Targets arrive by device block ([ways, t]: ``dst`` and ``donor`` index slots inside the block),
+            # so every gather and scatter into the slots stays on the device that holds them; the prefill's
+            # prompt rows shard over the batch axes (each device prefills rows / ways prompts) and each
+            # layer's keys and values are gathered from them where a block copies them.
             self.compile_count += 1  # runs once per trace
             model = nnx.merge(graphdef, state)
+            specs = self._leaf_specs(slots)
             rows, p = tokens.shape
+            if rows % self.ways == 0:
+                tokens, valid = self._constrain(tokens, specs.last), self._constrain(valid, specs.last)
             temp = init_cache(config, rows, p, sampler.cache_dtype)
             hidden, temp = prefill(model, tokens, valid, temp)
             copied = donor >= 0
             from_slot = jnp.maximum(donor, 0)
-            last_hidden = jnp.where(copied[:, None], slots.prompt_hidden[from_slot], hidden[:, -1, :][src])
-            logits = model.logits(last_hidden[:, None, :])[:, 0]  # [T, V]
-            zeros = jnp.zeros(src.shape, jnp.int32)
-            done0 = limits <= 0
-            drawn = token_step(logits, table, zeros, row_keys(key, paths, zeros), done0, temperature, top_p,
-                               choice=static, eos_ids=eos_ids, pad_id=pad_id)
+
+            held = self._blocks(slots.prompt_hidden, specs.prompt_hidden)
+            prompt_hidden = jax.vmap(lambda h, f: h[f])(held, from_slot)
+            last_hidden = jnp.where(copied[..., None], prompt_hidden, hidden[:, -1, :][src])  # [ways, t, H]
+            flat = functools.partial(self._flat_rows, spec=specs.last)
+            logits = model.logits(flat(last_hidden)[:, None, :])[:, 0]  # [ways * t, V]
+            zeros = jnp.zeros(src.size, jnp.int32)
+            done0 = flat(limits <= 0)
+            keys = row_keys(key, flat(paths), zeros)
+            drawn = token_step(logits, flat(table), zeros, keys, done0, temperature, top_p, choice=static,
+                               eos_ids=eos_ids, pad_id=pad_id)
             token, logp, auto, hit = drawn.token, drawn.logp, drawn.auto, drawn.eos
             length = jnp.where(done0, 0, 1).astype(jnp.int32)
             n = slots.tokens.shape[1]
-            row_tokens = jnp.full((src.shape[0], n), pad_id, jnp.int32).at[:, 0].set(token)
-            row_logps = jnp.zeros((src.shape[0], n), jnp.float32).at[:, 0].set(logp)
+            row_tokens = jnp.full((src.size, n), pad_id, jnp.int32).at[:, 0].set(token)
+            row_logps = jnp.zeros((src.size, n), jnp.float32).at[:, 0].set(logp)
 
-            def put(array, value):
-                return array.at[dst].set(value, mode="drop")
+            def put(array, value, spec):
+                value = value.reshape(src.shape + value.shape[1:])
+                return self._on_blocks(lambda b, d, v: b.at[d].set(v, mode="drop"), array, spec, (dst, value))
 
-            def keys_of(c, x):  # [T, Hkv, D, P]: the donor slot's first P positions, or the prefill's
-                return jnp.where(copied[:, None, None, None], c[from_slot, :, :, :p], x[src])
+            def copy_keys(block, d, f, c, s, x):  # keys [local, Hkv, D, L]: the donor's first P positions
+                return block.at[d, :, :, :p].set(
+                    jnp.where(c[:, None, None, None], block[f, :, :, :p], x[s]), mode="drop")
 
-            def values_of(c, x):
-                return jnp.where(copied[:, None, None, None], c[from_slot, :, :p, :], x[src])
+            def copy_values(block, d, f, c, s, x):  # values [local, Hkv, L, D]
+                return block.at[d, :, :p, :].set(
+                    jnp.where(c[:, None, None, None], block[f, :, :p, :], x[s]), mode="drop")
 
             cache = KVCache(
-                k=tuple(c.at[dst, :, :, :p].set(keys_of(c, x), mode="drop")
-                        for c, x in zip(slots.cache.k, temp.k)),
-                v=tuple(c.at[dst, :, :p, :].set(values_of(c, x), mode="drop")
-                        for c, x in zip(slots.cache.v, temp.v)),
+                k=tuple(self._on_blocks(copy_keys, c, spec, (dst, from_slot, copied, src), x)
+                        for c, x, spec in zip(slots.cache.k, temp.k, specs.cache.k)),
+                v=tuple(self._on_blocks(copy_values, c, spec, (dst, from_slot, copied, src), x)
+                        for c, x, spec in zip(slots.cache.v, temp.v, specs.cache.v)),
             )
+            done = done0 | hit | (length >= flat(limits))
             return Slots(
                 cache=cache,
-                last=put(slots.last, token),
-                write=put(slots.write, base),
-                position=put(slots.position, prompt_lens),
-                kv_start=put(slots.kv_start, base - prompt_lens),
-                length=put(slots.length, length),
-                limit=put(slots.limit, limits),
-                done=put(slots.done, done0 | hit | (length >= limits)),
-                finished=put(slots.finished, hit),
-                auto=put(slots.auto, auto),
-                transitions=put(slots.transitions, table),
-                key_path=put(slots.key_path, paths),
-                tokens=put(slots.tokens, row_tokens),
-                logprobs=put(slots.logprobs, row_logps),
-                prompt_hidden=put(slots.prompt_hidden, last_hidden),
+                last=put(slots.last, token, specs.last),
+                write=put(slots.write, flat(base), specs.write),
+                position=put(slots.position, flat(prompt_lens), specs.position),
+                kv_start=put(slots.kv_start, flat(base - prompt_lens), specs.kv_start),
+                length=put(slots.length, length, specs.length),
+                limit=put(slots.limit, flat(limits), specs.limit),
+                done=put(slots.done, done, specs.done),
+                finished=put(slots.finished, hit, specs.finished),
+                auto=put(slots.auto, auto, specs.auto),
+                transitions=put(slots.transitions, flat(table), specs.transitions),
+                key_path=put(slots.key_path, flat(paths), specs.key_path),
+                tokens=put(slots.tokens, row_tokens, specs.tokens),
+                logprobs=put(slots.logprobs, row_logps, specs.logprobs),
+                prompt_hidden=put(slots.prompt_hidden, flat(last_hidden), specs.prompt_hidden),
             )
 
         return jax.jit(run, donate_argnums=(1,))
@@ -358,6 +388,28 @@ class SlotSampler:
     def _unblocks(self, x: jax.Array, spec: Any) -> jax.Array:
         """[ways, b, ...] -> [ways * b, ...], sharded like slot rows."""
         return self._constrain(x.reshape((-1,) + x.shape[2:]), spec)
+
+    def _on_blocks(self, fn: Callable, x: jax.Array, spec: Any, targets: Sequence[jax.Array],
+                   shared: jax.Array | None = None) -> jax.Array:
+        """``fn(block, *targets[, shared])`` on every device's own block of slot array ``x`` [S, ...]:
+        ``targets`` are [ways, t, ...] arrays (one row per block), ``shared`` [U, ...] the same rows on
+        every device (its other axes sharded like ``x``'s). A ``shard_map``, so that gathers and scatters
+        at per-block indices never move a block off its device."""
+        extra = () if shared is None else (shared,)
+        if spec is None:
+            return fn(x, *(a[0] for a in targets), *extra)
+
+        def local(block, *args):
+            n = len(targets)
+            return fn(block, *(a[0] for a in args[:n]), *args[n:])
+
+        in_specs = (spec, *(P(spec[0], *([None] * (a.ndim - 1))) for a in targets),
+                    *(P(None, *spec[1:]) for _ in extra))
+        return jax.shard_map(local, in_specs=in_specs, out_specs=spec)(x, *targets, *extra)
+
+    def _flat_rows(self, x: jax.Array, spec: Any) -> jax.Array:
+        """[ways, t, ...] (targets by block) -> [ways * t, ...], sharded like slot rows."""
+        return self._unblocks(x, None if spec is None else P(spec[0], *([None] * (x.ndim - 2))))
 
     def _constrain(self, x: jax.Array, spec: Any) -> jax.Array:
         if spec is None:

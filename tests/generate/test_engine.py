@@ -309,6 +309,9 @@ _SHARDED = textwrap.dedent(
     # Uneven limits free slots in the middle of the blocks: running slots move to the front of theirs.
     requests = [EngineRequest(i, tuple(range(4 + i % 9, 14 + i % 7)), 1 + (5 * i) % 6, None, (i, 0, 0))
                 for i in range(24)]
+    # Copies of one prompt, later on: some land on the device of a slot that holds it (copied), others
+    # on devices that do not (prefilled again there: no cache row crosses devices).
+    requests += [EngineRequest(i, tuple(range(4, 14)), 6, None, (i, 0, 0)) for i in range(24, 40)]
     out = {}
     for name, mesh in (("one", None), ("data2_fsdp4", make_mesh(MeshConfig(data=2, fsdp=4, tensor=1)))):
         placed = state if mesh is None else shard_state(state, mesh)
@@ -319,7 +322,8 @@ _SHARDED = textwrap.dedent(
         results = generate_all(session, requests)
         k = session.slots.cache.k[0]
         out[name] = {
-            "tokens": [results[i].tokens.tolist() for i in range(24)],
+            "tokens": [results[i].tokens.tolist() for i in range(40)],
+            "prefill_rows": session.stats.prefill_rows,
             "moves": session.stats.moves, "bucket_steps": session.stats.bucket_steps,
             "compiles": engine.compile_count,
             "cache_bytes": [k.nbytes, max(s.data.nbytes for s in k.addressable_shards)],
@@ -327,6 +331,21 @@ _SHARDED = textwrap.dedent(
             "slot_bytes": [session.slots.tokens.nbytes,
                            max(s.data.nbytes for s in session.slots.tokens.addressable_shards)],
         }
+    # The insert of every slot from its own 512-token prompt at 2 and 4 layers: per device temporaries
+    # and the slots' KV cache (bytes over all devices).
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
+    out["insert_memory"] = []
+    for layers in (2, 4):
+        deeper = ModelConfig.preset("tiny", vocab_size=64, num_layers=layers, hidden_size=64,
+                                    intermediate_size=128)
+        g, s = nnx.split(Transformer(deeper, rngs=nnx.Rngs(0)))
+        sampler = Sampler(g, deeper, eos_ids=[3], pad_id=0, prompt_buckets=(512,), batch_buckets=(8,),
+                          mesh=mesh)
+        kernels = RolloutEngine(sampler, slots=16, max_new_tokens=64, chunk=2).kernels
+        insert = kernels.lower_insert(shard_state(s, mesh), params, prompts=16, targets=16, prompt_len=512)
+        out["insert_memory"].append([insert.compile().memory_analysis().temp_size_in_bytes,
+                                     sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(
+                                         kernels.abstract_slots().cache))])
     print("RESULT" + json.dumps(out))
     """
 )
@@ -341,6 +360,14 @@ def test_slots_and_their_cache_shard_over_the_mesh_batch_axes_on_8_devices():
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     one, sharded = result["one"], result["data2_fsdp4"]
     assert sharded["tokens"] == one["tokens"]
+    assert all(t == one["tokens"][24] for t in one["tokens"][25:])  # greedy copies of one prompt
+    # Copies of a prompt held on another device are prefilled there instead of copied across devices.
+    assert sharded["prefill_rows"] > one["prefill_rows"]
+    # An insert of every slot copies each device's slots on that device: two more layers add less to a
+    # device's temporaries than their share of the slots' cache (copies of every slot's prompt keys and
+    # values on every device added three times the whole cache's growth).
+    (temp2, cache2), (temp4, cache4) = result["insert_memory"]
+    assert temp4 - temp2 < (cache4 - cache2) / 8, result["insert_memory"]
     # Slots moved within their device's block, and chunks ran over one slot per device (8 rows).
     assert sharded["moves"] > 0 and sharded["bucket_steps"].get("8", 0) > 0
     assert set(sharded["bucket_steps"]) <= {"8", "16"}

@@ -109,6 +109,10 @@ def test_bad_inserts_are_one_clear_error(tiny):
         insert(kernels, state, kernels.empty(), [list(range(4, 21))], [0], [0])
     with pytest.raises(ValueError, match="multiple of the mesh"):
         SlotSampler(on_a_mesh(kernels.sampler), slots=3, max_new_tokens=4, chunk=2)
+    four = SlotSampler(on_a_mesh(kernels.sampler), slots=4, max_new_tokens=4, chunk=2)  # a slot per device
+    with pytest.raises(ValueError, match="lie on different devices"):  # a donor's cache row stays put
+        insert(four, state, types.SimpleNamespace(num_states=1), [], [0], [1],
+               donors=[Donor(slot=0, bucket=16, length=3)])
 
 
 def on_a_mesh(sampler):
