@@ -39,8 +39,9 @@ def test_missing_reader_packages_name_the_pip_line(tmp_path, monkeypatch):
     src.write_bytes(b"GGUF")
     real = importlib.util.find_spec
     monkeypatch.setattr(gguf.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "gguf" else real(name, *a))
-    with pytest.raises(GGUFError, match="needs the gguf package.*pip install gguf accelerate"):
+                        lambda name, *a: None if name in ("gguf", "accelerate") else real(name, *a))
+    needs = r"needs the gguf and accelerate package\(s\).*pip install gguf accelerate"
+    with pytest.raises(GGUFError, match=needs):
         convert_gguf(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -26,7 +26,8 @@ def hub_cache(tmp_path, monkeypatch):
     snapshot.mkdir(parents=True)
     build_bpe_tokenizer(snapshot, ["<action>PASS</action> <action>BET</action> Your card is K."] * 4,
                         vocab_size=300)
-    config = ModelConfig.preset("tiny", vocab_size=304, **SMALLEST_DECODER).to_hf_config()
+    decoder = {**SMALLEST_DECODER, "max_position_embeddings": 40960}  # the small preset's lengths fit
+    config = ModelConfig.preset("tiny", vocab_size=304, **decoder).to_hf_config()
     (snapshot / "config.json").write_text(json.dumps(config))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(REVISION)

@@ -29,6 +29,7 @@ from mage_jax.models.config import ModelConfig
 from mage_jax.models.hf_loading import load_hf_model
 from mage_jax.tokenizer import Tokenizer
 from tests.models.conftest import hf_logits, jax_logits
+from tests.optional import require
 
 # Short questions a 135M instruct model answers in well under 16 tokens, so greedy decoding stops.
 PROMPTS = ("What is the capital of France? Answer in one word.", "Name a colour of the sky.")
@@ -37,7 +38,7 @@ IM_END = "<|im_end|>"
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_folder):
-    import torch
+    torch = require("torch")
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32).eval()
@@ -130,7 +131,7 @@ def test_bfloat16_weights_stay_close_to_transformers_float32(smollm2_folder, bat
 
 # ------------------------------------------------------------------------------------ generation
 def test_greedy_generation_equals_transformers_and_stops_at_im_end(model, batch, hf_model, tokenizer):
-    import torch
+    torch = require("torch")
 
     _, _, _, ids = batch
     graphdef, state = nnx.split(model)
