@@ -5,6 +5,7 @@ through these functions, so a summary has one format and is always written atomi
 ``summary.json``::
 
     {"experiment", "status", "iterations", "wall_seconds", "setup_seconds", "run_dir",
+     "compile": {"programs", "seconds", "cache_hits"} (the whole run: mage_jax.compile_report),
      "model": {"num_params", "vocab_size", "num_layers", "hidden_size"},
      "evaluation": {split: {"metrics": compute_metrics(...), "reference": {...} or null}}, ...}
 """
@@ -12,11 +13,13 @@ through these functions, so a summary has one format and is always written atomi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mage_jax.compile_report import CompileReport
 from mage_jax.evaluation import plots
 from mage_jax.evaluation.evaluator import SplitResult
 from mage_jax.evaluation.metrics import flatten_metrics
@@ -43,8 +46,9 @@ def log_evaluation(logger: MetricsLogger, iteration: int, results: Mapping[str, 
 
 def build_summary(*, experiment: str, iterations: int, run_dir: str, model_config: Any,
                   results: Mapping[str, SplitResult], wall_seconds: float, setup_seconds: float | None = None,
-                  **extra: Any) -> dict[str, Any]:
-    """The JSON-ready summary of a finished run (plain values only)."""
+                  compiled: CompileReport | None = None, **extra: Any) -> dict[str, Any]:
+    """The JSON-ready summary of a finished run (plain values only); ``compiled``: the XLA programs of
+    the whole run (``compile``)."""
     summary: dict[str, Any] = {
         "experiment": experiment,
         "status": "finished",
@@ -54,6 +58,8 @@ def build_summary(*, experiment: str, iterations: int, run_dir: str, model_confi
     if setup_seconds is not None:
         summary["setup_seconds"] = float(setup_seconds)
     summary["run_dir"] = os.path.abspath(run_dir)
+    if compiled is not None:
+        summary["compile"] = dataclasses.asdict(compiled)
     summary.update(extra)
     summary["model"] = {"num_params": int(model_config.num_params()),
                         "vocab_size": int(model_config.vocab_size),
@@ -200,4 +206,6 @@ def results_table(summary: Mapping[str, Any], titles: Mapping[str, str] | None =
     if "wall_seconds" in summary:
         lines.append(f"wall time {summary['wall_seconds']:.0f} s, {summary.get('iterations')} iterations, "
                      f"run dir {summary.get('run_dir')}")
+    if "compile" in summary:
+        lines.append(CompileReport(**summary["compile"]).describe())
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from mage_jax.compile_report import CompileReport
 from mage_jax.evaluation.decisions import decision_stats
 from mage_jax.evaluation.metrics import compute_metrics, episode_key
 
@@ -56,14 +57,17 @@ def iteration_metrics(
     row_lengths: np.ndarray,
     consecutive_skips_max: int,
     timings: IterationTimings,
+    compiled: CompileReport,
     split_private: Callable[[str], tuple[str, str] | None] | None = None,
 ) -> dict[str, float]:
     """The ``train`` record of one iteration.
 
     ``result``: the training rollout (``rollout.meta_episode.RolloutResult``: rows, outcomes, stats);
     ``step_metrics``: one dict of floats per optimizer step; ``advantages`` and ``row_lengths``: one per
-    real row (prompt + response tokens); ``consecutive_skips_max``: the longest run of skipped updates
-    up to and inside this iteration; ``split_private``: the environment's split of an observation into
+    real row (prompt + response tokens); ``compiled``: the XLA programs of this iteration's rollout and
+    updates alone, not cumulative (``compile/programs``, ``compile/seconds``, ``compile/cache_hits``);
+    ``consecutive_skips_max``: the longest run of skipped updates up to and inside this iteration;
+    ``split_private``: the environment's split of an observation into
     its private part (``decision_stats``).
     """
     out = step_summary(step_metrics)
@@ -93,6 +97,7 @@ def iteration_metrics(
     out["update_seconds"] = timings.update_seconds
     out["iteration_seconds"] = timings.iteration_seconds
     out["rows_per_second"] = n / max(timings.iteration_seconds, 1e-9)
+    out.update(compiled.metrics())
     out["success@last"] = curves["success"][-1]
     out["payoff@last"] = curves["payoff"][-1]
     return out

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 
+from mage_jax import compile_report
 from mage_jax import config as C
 from mage_jax.evaluation.evaluator import EvalProtocol, Evaluator
 from mage_jax.evaluation.plots import Selection
@@ -121,6 +122,7 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
           experiment: str | None = None) -> RunOutcome:
     """Train (or resume) the run of ``cfg``, evaluate it with ``protocol`` and report it."""
     start = time.perf_counter()
+    compiled_before = compile_report.counter().snapshot()
     protocol = protocol or EvalProtocol()
     run_dir = _run_dir(cfg)
     with _nothing_left_on_error(run_dir):
@@ -151,8 +153,8 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
     summary = build_summary(
         experiment=experiment or cfg.name, iterations=result.iteration, run_dir=run_dir,
         model_config=parts.model_config, results=result.final, wall_seconds=time.perf_counter() - start,
-        setup_seconds=setup_seconds, skipped_updates=result.skipped_updates,
-        selected_iteration=result.selected_iteration,
+        setup_seconds=setup_seconds, compiled=compile_report.counter().snapshot() - compiled_before,
+        skipped_updates=result.skipped_updates, selected_iteration=result.selected_iteration,
     )
     if is_main_process():
         write_summary(run_dir, summary)
@@ -169,6 +171,7 @@ def evaluate(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, e
     to ``jax.random.key(train.seed)``. ``summary_fields`` go into the summary as they are.
     """
     start = time.perf_counter()
+    compiled_before = compile_report.counter().snapshot()
     protocol = protocol or EvalProtocol()
     run_dir = _run_dir(cfg)
     with _nothing_left_on_error(run_dir):
@@ -192,7 +195,7 @@ def evaluate(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, e
     summary = build_summary(
         experiment=experiment or cfg.name, iterations=iteration, run_dir=run_dir,
         model_config=parts.model_config, results=results, wall_seconds=time.perf_counter() - start,
-        **summary_fields,
+        compiled=compile_report.counter().snapshot() - compiled_before, **summary_fields,
     )
     if is_main_process():
         write_summary(run_dir, summary)

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mage_jax import compile_report
 from mage_jax import config as C
 from mage_jax.algorithms import compute_advantages
 from mage_jax.algorithms.schedules import lr_decay
@@ -166,6 +167,7 @@ class Trainer:
         """Rollout + credit + PPO updates for training iteration ``iteration`` (1-based)."""
         cfg, parts = self.cfg, self.parts
         t0 = time.perf_counter()
+        compiled_before = compile_report.counter().snapshot()
         tasks = parts.task_sampler.sample_train(iteration - 1)
         key = jax.random.fold_in(self.base_key, iteration)
         policy = parts.policy(self.state.params, jax.random.fold_in(key, 0), evaluation=False)
@@ -253,6 +255,7 @@ class Trainer:
         out = iteration_metrics(result, step_metrics, num_episodes=cfg.rollout.num_episodes,
                                 advantages=advantages[:n], row_lengths=row_lengths,
                                 consecutive_skips_max=longest, timings=timings,
+                                compiled=compile_report.counter().snapshot() - compiled_before,
                                 split_private=env_class(cfg.env.name).split_private)
         self.skipped_updates += int(out["skipped"])
         return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mage_jax.compile_report import CompileReport
 from mage_jax.envs import env_class
 from mage_jax.evaluation.training_metrics import IterationTimings, iteration_metrics, step_summary
 from mage_jax.rollout.meta_episode import RolloutResult
@@ -17,6 +18,7 @@ STEPS = [
     {"loss": 3.0, "skipped": 1.0, "response_tokens": 12.0, "update_ratio": 0.05, "entropy": 0.7},
 ]
 TIMINGS = IterationTimings(rollout_seconds=2.0, update_seconds=1.0, iteration_seconds=4.0)
+COMPILED = CompileReport(programs=5, seconds=1.5, cache_hits=2)
 
 
 def play_row(episode: int, logprob: float) -> Row:
@@ -39,6 +41,7 @@ def test_the_record_holds_the_curves_rewards_advantages_rollout_counters_and_tim
                                                                  "not_a_rollout_stat": 9.0})
     record = iteration_metrics(result, STEPS, num_episodes=2, advantages=np.array([1.0, -3.0, 2.0, 99.0]),
                                row_lengths=np.array([10, 20, 30]), consecutive_skips_max=3, timings=TIMINGS,
+                               compiled=COMPILED,
                                split_private=env_class("kuhn_poker").split_private)
     assert record["loss"] == 2.0 and record["updates"] == 2.0 and record["consecutive_skips_max"] == 3.0
     assert (record["success@1"], record["success@2"]) == (0.5, 1.0)
@@ -54,4 +57,6 @@ def test_the_record_holds_the_curves_rewards_advantages_rollout_counters_and_tim
     seconds = (record["rollout_seconds"], record["update_seconds"], record["iteration_seconds"])
     assert seconds == (2.0, 1.0, 4.0)
     assert record["rows_per_second"] == 3 / 4.0
+    compiled = (record["compile/programs"], record["compile/seconds"], record["compile/cache_hits"])
+    assert compiled == (5.0, 1.5, 2.0)
     assert all(isinstance(v, float) for v in record.values())

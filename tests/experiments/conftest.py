@@ -46,7 +46,10 @@ def _smoke_args(overrides: dict | None = None) -> list[str]:
     return args
 
 
-TIMING = {"time", "wall_seconds", "rollout_seconds", "update_seconds", "iteration_seconds", "rows_per_second"}
+TIMING = {"time", "wall_seconds", "rollout_seconds", "update_seconds", "iteration_seconds", "rows_per_second",
+          "compile/programs", "compile/seconds", "compile/cache_hits"}
+"""What differs between two runs of one config: timings, and what compiling took (a process that compiled
+a program once does not compile it again)."""
 
 
 def comparable(run_dir) -> list[dict]:

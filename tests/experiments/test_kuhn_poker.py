@@ -67,6 +67,13 @@ def test_main_job_writes_a_complete_run_directory(finished_run, capsys):
         os.listdir(run_dir / "plots"))
     table = results_table(summary, kuhn_poker.SPEC.titles)
     assert "held-out CFR opponent" in table and "ceiling" in table
+    # The compile report: programs of each iteration in its record, the whole run's in the summary.
+    compiled = summary["compile"]
+    assert compiled["programs"] > 0 and compiled["seconds"] > 0 and 0 <= compiled["cache_hits"] <= compiled[
+        "programs"]
+    per_iteration = [r["compile/programs"] for r in records if r["split"] == "train"]
+    assert 0 < sum(per_iteration) <= compiled["programs"]
+    assert f"compiled {compiled['programs']} XLA programs" in table
 
 
 def test_resumed_run_reproduces_the_uninterrupted_metrics(finished_run, tmp_path, monkeypatch):
