@@ -26,6 +26,7 @@ from typing import Any
 from experiments.benchmarks.common import load_average, machine, write_report
 from mage_jax import compilation_cache
 from mage_jax.evaluation.report import SUMMARY_FILE
+from mage_jax.logging import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN_JOB = (sys.executable, "-m", "experiments.kuhn_poker")
@@ -46,7 +47,8 @@ def smoke_args() -> list[str]:
 
 def run_main_job(args: list[str], run_dir: Path, cache_dir: Path) -> dict[str, Any]:
     """One main job in its own process with the persistent cache in ``cache_dir``: its wall seconds
-    (process start to exit), its summary's compile report and the load average before and after."""
+    (process start to exit), its summary's compile report, the programs of its training iterations
+    (the rest: setup, validation, evaluation) and the load average before and after."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     env[compilation_cache.ENV_VAR] = str(cache_dir)
     load_before = load_average()
@@ -58,12 +60,14 @@ def run_main_job(args: list[str], run_dir: Path, cache_dir: Path) -> dict[str, A
         raise SystemExit(f"error: the main job exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
     summary = json.loads((run_dir / SUMMARY_FILE).read_text())
     compiled = summary.get("compile") or {}
+    train = [r for r in read_jsonl(str(run_dir)) if r["split"] == "train"]
     return {
         "wall_s": round(wall, 2),
         "run_wall_s": round(summary["wall_seconds"], 2),
         "programs": compiled.get("programs"),
         "compile_s": None if compiled.get("seconds") is None else round(compiled["seconds"], 2),
         "cache_hits": compiled.get("cache_hits"),
+        "training_programs": int(sum(r.get("compile/programs", 0) for r in train)),
         "load_avg_1m": {"before": load_before, "after": load_average()},
     }
 
