@@ -22,7 +22,8 @@ rule:
 Rows come back in completion order and are put back in the lockstep order (episode, play turns then
 reflection, turn, task), so the training batch, the outcomes and the statistics do not depend on the
 rule (greedy decoding: the same tokens; ``tests/generate/test_engine.py``). With a ``stop`` event the
-rollout raises ``Interrupted`` at its next collect once the event is set (a safe point).
+rollout raises ``Interrupted`` before its next submission or collect once the event is set (a safe
+point: nothing more is asked of the model).
 
 Memory: after episode n the runner keeps an ``EpisodeRecord`` (moves, reward, won, reflection) and
 the play prompts of later episodes show the records per ``memory_mode`` (rendered by
@@ -266,7 +267,8 @@ class MetaEpisodeRunner:
             stop: threading.Event | None = None) -> RolloutResult:
         """Play one meta-episode per task; returns every row and every outcome. ``progress`` hears the
         running totals (``RolloutProgress``) after every round of generations (progress inside long work).
-        Once ``stop`` is set the rollout raises ``stopping.Interrupted`` at its next collect."""
+        Once ``stop`` is set the rollout raises ``stopping.Interrupted`` before it submits or collects
+        again."""
         self._progress = progress
         self._totals = RolloutProgress()
         start = time.perf_counter()
@@ -337,6 +339,8 @@ class MetaEpisodeRunner:
         for i in range(len(plays)):
             advance(i, None)
         while waiting or in_flight:
+            if stop is not None and stop.is_set():  # before submitting: a stopped rollout asks for nothing
+                raise Interrupted
             if not stream.lockstep:
                 admit = list(waiting)
             elif in_flight:

@@ -122,8 +122,8 @@ def test_a_signal_during_an_evaluation_saves_the_updated_state_exits_75_and_eval
     the abandoned evaluation (its records appear once) and ends as the reference."""
     reference_dir, args = reference
     run_dir = tmp_path / "run"
-    original_evaluate, original_generate = Evaluator.evaluate, LLMPolicy.generate
-    seen = {"evaluations": 0, "sent": None, "turns_after": 0}
+    original_evaluate, original_stream = Evaluator.evaluate, LLMPolicy.stream
+    seen = {"evaluations": 0, "sent": None, "turns_before": 0, "turns_after": 0}
     target = 1 if which == "iteration 2" else 2
 
     def evaluate(self, *a, **kw):
@@ -133,15 +133,23 @@ def test_a_signal_during_an_evaluation_saves_the_updated_state_exits_75_and_eval
             os.kill(os.getpid(), signal.SIGTERM)
         return original_evaluate(self, *a, **kw)
 
-    def generate(self, requests):
-        if seen["sent"] is not None:
-            seen["turns_after"] += 1
-        return original_generate(self, requests)
+    def stream(self):
+        """Every request of every rollout goes through a stream's ``submit`` (engine or lockstep)."""
+        policy_stream = original_stream(self)
+        submit = policy_stream.submit
+
+        def counted_submit(*a, **kw):
+            seen["turns_before" if seen["sent"] is None else "turns_after"] += 1
+            return submit(*a, **kw)
+
+        policy_stream.submit = counted_submit
+        return policy_stream
 
     monkeypatch.setattr(Evaluator, "evaluate", evaluate)
-    monkeypatch.setattr(LLMPolicy, "generate", generate)
+    monkeypatch.setattr(LLMPolicy, "stream", stream)
     assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == EXIT_INTERRUPTED
     seconds = time.perf_counter() - seen["sent"]
+    assert seen["turns_before"] > 0, "the turn counter saw no request: it no longer hooks the rollout"
     assert seen["turns_after"] == 0 and seconds < 20, (seen, seconds)
     step = 2 if which == "iteration 2" else 3
     assert sorted(os.listdir(run_dir / "checkpoints")) == [str(step)]
