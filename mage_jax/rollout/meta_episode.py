@@ -377,8 +377,10 @@ class MetaEpisodeRunner:
 
         for i in range(len(plays)):
             advance(i, None)
-        while waiting or in_flight or envs.pending:
+        while True:
             stepped(0.0)
+            if not (waiting or in_flight or envs.pending):
+                break
             if stream.lockstep and envs.pending and not in_flight:
                 # a turn is admitted whole: wait for the environments still stepping
                 wait_for_envs()
