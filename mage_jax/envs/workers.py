@@ -59,6 +59,8 @@ __all__ = [
 ]
 
 _CLOSE_TIMEOUT_S = 5.0
+_REPLY_EVERY_S = 0.005
+"""A worker answers a batch of operations in one message, or every 5 ms when they are slow."""
 
 
 class EnvWorkerError(RuntimeError):
@@ -187,6 +189,7 @@ class EnvPool:
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         self._pending: dict[int, _Pending] = {}
+        self._outbox: dict[int, list[tuple[int, int, EnvOp]]] = {}
         self._next_id = 0
         self._finalizer: weakref.finalize | None = None
 
@@ -214,44 +217,51 @@ class EnvPool:
         op_id = self._next_id
         self._next_id += 1
         self._pending[op_id] = _Pending(slot, op, task)
-        worker = slot % self.workers
-        try:
-            self._conns[worker].send(("op", op_id, slot, op))
-        except (BrokenPipeError, ConnectionError, EOFError, OSError):
-            self._died(worker)
+        self._outbox.setdefault(slot % self.workers, []).append((op_id, slot, op))
         return None
+
+    def _flush(self) -> None:
+        """Send each worker the operations submitted since the last flush, in one message."""
+        outbox, self._outbox = self._outbox, {}
+        for worker, ops in outbox.items():
+            try:
+                self._conns[worker].send(ops)
+            except (BrokenPipeError, ConnectionError, EOFError, OSError):
+                self._died(worker)
 
     def replies(self, timeout: float | None = 0.0) -> list[tuple[int, EnvReply]]:
         """(slot, reply) of the operations finished so far, waiting up to ``timeout`` seconds (None: until
-        one arrives) when none is ready. Raises ``EnvWorkerError`` when a worker died or an environment
-        raised."""
+        one arrives) when none is ready. Operations submitted since the last call are sent first, one
+        message per worker. Raises ``EnvWorkerError`` when a worker died or an environment raised."""
         if not self._pending:
             return []
+        self._flush()
         out: list[tuple[int, EnvReply]] = []
         ready = wait(self._conns, timeout)
         while ready:
             for conn in ready:
                 worker = self._conns.index(conn)
                 try:
-                    message = conn.recv()
+                    messages = conn.recv()
                 except (EOFError, OSError):
                     self._died(worker)
-                op_id, reply = message
-                pending = self._pending.pop(op_id, None)
-                if pending is None:  # an operation of an abandoned rollout
-                    continue
-                if isinstance(reply, _Failure):
-                    raise EnvWorkerError(
-                        f"environment {self.env_name!r}, {pending.task or f'slot {pending.slot}'}: "
-                        f"{_describe(pending.op)} raised {reply.kind}: {reply.message} (in worker {worker}; "
-                        f"its traceback:\n{reply.traceback})")
-                out.append((pending.slot, reply))
+                for op_id, reply in messages:
+                    pending = self._pending.pop(op_id, None)
+                    if pending is None:  # an operation of an abandoned rollout
+                        continue
+                    if isinstance(reply, _Failure):
+                        raise EnvWorkerError(
+                            f"environment {self.env_name!r}, {pending.task or f'slot {pending.slot}'}: "
+                            f"{_describe(pending.op)} raised {reply.kind}: {reply.message} (in worker "
+                            f"{worker}; its traceback:\n{reply.traceback})")
+                    out.append((pending.slot, reply))
             ready = wait(self._conns, 0) if self._pending else []
         return out
 
     def abandon(self) -> None:
         """Forget the operations in flight (a rollout that stopped): their replies are dropped on arrival."""
         self._pending.clear()
+        self._outbox.clear()
 
     def _died(self, worker: int) -> None:
         proc = self._procs[worker]
@@ -305,7 +315,7 @@ class EnvPool:
         if self._finalizer is not None:
             self._finalizer()
         self._finalizer = None
-        self._procs, self._conns, self._pending = [], [], {}
+        self._procs, self._conns, self._pending, self._outbox = [], [], {}, {}
 
     @property
     def pids(self) -> list[int]:
@@ -377,16 +387,23 @@ def serve(fd: int | None = None) -> None:
             importlib.import_module(module)
         envs: dict[int, TextEnv] = {}
         while True:
-            message = conn.recv()
-            if message is None:
+            batch = conn.recv()
+            if batch is None:
                 return
-            _, op_id, slot, op = message
-            try:
-                if slot not in envs:
-                    envs[slot] = make_env(name, **options)
-                reply: EnvReply | _Failure = apply_op(envs[slot], op)
-            except Exception as err:
-                reply = _Failure(type(err).__name__, str(err), traceback.format_exc())
-            conn.send((op_id, reply))
+            done: list[tuple[int, EnvReply | _Failure]] = []
+            sent = time.perf_counter()
+            for op_id, slot, op in batch:
+                try:
+                    if slot not in envs:
+                        envs[slot] = make_env(name, **options)
+                    reply: EnvReply | _Failure = apply_op(envs[slot], op)
+                except Exception as err:
+                    reply = _Failure(type(err).__name__, str(err), traceback.format_exc())
+                done.append((op_id, reply))
+                if time.perf_counter() - sent > _REPLY_EVERY_S:  # slow operations: answer as they finish
+                    conn.send(done)
+                    done, sent = [], time.perf_counter()
+            if done:
+                conn.send(done)
     except (EOFError, BrokenPipeError, ConnectionError):
         return  # the main process closed the socket or died
