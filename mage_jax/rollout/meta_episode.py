@@ -19,6 +19,11 @@ rule:
   meta-episode waits for the slowest response of a turn. Sampling keys derive from (meta-episode,
   episode, phase/turn), not from the schedule.
 
+Environments: every reset, restart and step is an operation (``mage_jax.envs.workers``) the
+meta-episode yields like an LLM call. In process (``workers=0``) it is answered at once; with worker
+processes it is answered when its reply arrives, and the runner meanwhile keeps collecting the stream, so
+environments step while other meta-episodes decode (lockstep still admits a turn whole).
+
 Rows come back in completion order and are put back in the lockstep order (episode, play turns then
 reflection, turn, task), so the training batch, the outcomes and the statistics do not depend on the
 rule (greedy decoding: the same tokens; ``tests/generate/test_engine.py``). With a ``stop`` event the
@@ -403,9 +408,8 @@ class MetaEpisodeRunner:
                 in_flight += 1
             if stop is not None and stop.is_set():
                 raise Interrupted
-            if not stream.busy:  # nothing to decode: only environments are working
-                if envs.pending:
-                    wait_for_envs()
+            if envs.pending and not stream.busy:  # nothing to decode: only environments are working
+                wait_for_envs()
                 continue
             done = stream.collect()
             in_flight -= len(done)
