@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -64,7 +66,13 @@ _REPLY_EVERY_S = 0.005
 
 
 class EnvWorkerError(RuntimeError):
-    """A worker process died, or an environment raised inside one (the message names which and where)."""
+    """A worker process died, or an environment raised inside one: a one-line message naming the
+    environment, the meta-episode and the operation; ``worker_traceback`` holds the environment's
+    traceback (when it raised)."""
+
+    def __init__(self, message: str, worker_traceback: str | None = None):
+        super().__init__(message)
+        self.worker_traceback = worker_traceback
 
 
 # -- operations ------------------------------------------------------------------------------------
@@ -253,7 +261,7 @@ class EnvPool:
                         raise EnvWorkerError(
                             f"environment {self.env_name!r}, {pending.task or f'slot {pending.slot}'}: "
                             f"{_describe(pending.op)} raised {reply.kind}: {reply.message} (in worker "
-                            f"{worker}; its traceback:\n{reply.traceback})")
+                            f"process {worker})", reply.traceback)
                     out.append((pending.slot, reply))
             ready = wait(self._conns, 0) if self._pending else []
         return out
@@ -284,8 +292,6 @@ class EnvPool:
             return
         modules = sorted({env_class(self.env_name).__module__})
         try:
-            import pickle
-
             setup = pickle.dumps((self.env_name, self.env_options, modules))
         except Exception as err:  # a lambda or an open file among the options
             raise EnvWorkerError(
@@ -376,9 +382,6 @@ class _Failure:
 def serve(fd: int | None = None) -> None:
     """A worker's main loop (``python -c "...serve()" FD``): build environments on first use, apply the
     operations in the order they arrive, answer each; exit when the socket closes or on ``None``."""
-    import importlib
-    import pickle
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when to stop
     conn = Connection(int(sys.argv[1]) if fd is None else fd)
     try:

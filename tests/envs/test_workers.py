@@ -168,9 +168,11 @@ def test_an_environment_that_raises_in_a_worker_is_one_error_naming_the_operatio
     pool = EnvPool("kuhn_poker", {}, workers=1)
     try:
         assert pool.submit(0, Reset(2, opponent="nobody", seat=0), "meta-episode 7") is None
-        with pytest.raises(EnvWorkerError, match=r"environment 'kuhn_poker', meta-episode 7: "
-                                                 r"reset\(seed=2, opponent='nobody'.*raised ValueError"):
+        expected = (r"environment 'kuhn_poker', meta-episode 7: reset\(seed=2, opponent='nobody'.*"
+                    r"raised ValueError")
+        with pytest.raises(EnvWorkerError, match=expected) as err:
             pool.replies(timeout=None)
+        assert "\n" not in str(err.value) and "Traceback" in err.value.worker_traceback
     finally:
         pool.close()
 
