@@ -285,3 +285,55 @@ def test_bad_worker_counts_and_options_that_cannot_be_sent_are_clear_errors():
     pool = EnvPool("sokoban", {"num_boxes": 1, "unpicklable": lambda: 0}, workers=1)
     with pytest.raises(EnvWorkerError, match="cannot be sent to a worker process.*env.workers=0"):
         pool.submit(0, Step("<action>up</action>"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_to_the_process_group_stops_the_rollout_and_leaves_no_worker(sig):
+    """The trainer's stop signals (``install_stop_signals``) sent to the whole process group mid-rollout, as
+    a terminal's Ctrl-C or a scheduler's SIGTERM would: the rollout raises ``Interrupted`` at its next safe
+    point, the process exits normally, and its workers are gone."""
+    script = textwrap.dedent(f"""
+        import os, signal, threading
+        from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+        from mage_jax.rollout.policy import RandomLegalPolicy
+        from mage_jax.rollout.stopping import Interrupted
+        from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+        from mage_jax.training.signals import install_stop_signals
+
+        stop = threading.Event()
+        install_stop_signals(stop)
+        runner = MetaEpisodeRunner("sokoban", {{}}, RunnerConfig(num_episodes=3, constrained_actions=True),
+                                   workers=2)
+
+        class Signalling(RandomLegalPolicy):
+            calls = 0
+            def generate(self, requests):
+                Signalling.calls += 1
+                if Signalling.calls == 2:
+                    os.killpg(os.getpgid(0), {int(sig)})
+                return super().generate(requests)
+
+        tasks = TaskSampler(TaskSamplerConfig(num_tasks=4, group_size=2)).sample_train(0)
+        try:
+            runner.run(tasks, Signalling(0), training=True, stop=stop)
+            print("finished")
+        except Interrupted:
+            print("interrupted", *runner._envs.pids)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    word, *pids = out.stdout.split()
+    assert word == "interrupted" and len(pids) == 2 and "Traceback" not in out.stderr
+    deadline = time.monotonic() + 10
+    while any(_alive(int(pid)) for pid in pids):
+        assert time.monotonic() < deadline, "a worker outlived its run"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
