@@ -2,7 +2,7 @@
 
     python -m experiments.benchmarks.rollout_host [--out runs/benchmarks/rollout_host.json]
         [--envs kuhn_poker,sokoban,webshop,alfworld] [--meta-episodes 128] [--cpu-chunk-ms 180]
-        [--speedup 50] [--workers 2]
+        [--speedup 50] [--workers 2] [--workers-envs webshop,alfworld]
 
 On an accelerator the model's programs get 50-100x faster than on our CPU; the host work (the runner,
 prompt rendering, tokenization, constraint automata, environment stepping) does not. To see that ceiling
@@ -383,7 +383,7 @@ def bench_env(name: str, args: argparse.Namespace, data_root: Path) -> dict[str,
     tasks = tasks_of(name, args.meta_episodes)
     tokenizer = build_tokenizer(name, options, tasks)
     chunk_s = args.cpu_chunk_ms / 1e3 / args.speedup
-    slow = name in SLOW_ENVS
+    slow = name in args.workers_envs.split(",")
     workers = args.workers if slow else 0
     common = dict(slots=args.slots, chunk=args.chunk)
     free = timed_rollout(name, options, tasks, tokenizer, workers=workers, chunk_s=0.0, **common)
@@ -498,6 +498,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--speedup", type=float, default=50.0, help="how much faster the device part is")
     parser.add_argument("--workers", type=int, default=2, help="worker processes of the slow environments")
+    parser.add_argument(
+        "--workers-envs",
+        default=",".join(SLOW_ENVS),
+        help="environments stepped in workers, with the hiding and stepping measurements (the slow ones)",
+    )
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=8)
     args = parser.parse_args(argv)
