@@ -372,21 +372,14 @@ class MetaEpisodeRunner:
                 advance(i, reply)
             return bool(replies)
 
-        def wait_for_envs(gather_s: float = 0.0) -> None:
-            """Block until some environment reply arrived, then keep taking replies for up to ``gather_s``
-            seconds while some are pending, checking for a stop request meanwhile."""
+        def wait_for_envs() -> None:
+            """Block until some environment reply arrived, checking for a stop request meanwhile."""
             while True:
                 if stop is not None and stop.is_set():
                     raise Interrupted
                 if stepped(0.05):
-                    break
-            deadline = time.perf_counter() + gather_s
-            while envs.pending and (left := deadline - time.perf_counter()) > 0:
-                if stop is not None and stop.is_set():
-                    raise Interrupted
-                stepped(min(left, 0.05))
+                    return
 
-        chunk_s = 0.0  # how long the stream's last collect took (a decode chunk)
         for i in range(len(plays)):
             advance(i, None)
         while True:
@@ -415,14 +408,10 @@ class MetaEpisodeRunner:
                 in_flight += 1
             if stop is not None and stop.is_set():
                 raise Interrupted
-            if envs.pending and not stream.busy:
-                # Nothing to decode, only environments working: a chunk costs about the same for one row
-                # as for many, so gather the replies that arrive within one chunk's time before the next.
-                wait_for_envs(gather_s=chunk_s)
+            if envs.pending and not stream.busy:  # nothing to decode: only environments are working
+                wait_for_envs()
                 continue
-            started = time.perf_counter()
             done = stream.collect()
-            chunk_s = time.perf_counter() - started
             in_flight -= len(done)
             self._count(generations=[gen for _, gen in done])
             for i, gen in done:
