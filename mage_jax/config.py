@@ -122,6 +122,10 @@ class EnvConfig:
     heldout_opponent: str | None = "cfr"
     """Extra held-out evaluation opponent (None: none)."""
     heldout_seat: SeatMode = "second"
+    workers: int | None = None
+    """Worker processes that step and reset the environments (``mage_jax.envs.workers``) while the policy
+    decodes; 0: in the main process. None: the environment's default, ``min(8, CPUs)`` for the slow
+    ones (ALFWorld, WebShop) and 0 for the games. Results are the same for every value."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,6 +449,8 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
         check(abs(sum(e.opponent_ratios) - 1.0) < 1e-6,
                f"env.opponent_ratios must sum to 1 (got {sum(e.opponent_ratios):g})")
     check(e.eval_seed >= 0, "env.eval_seed must be >= 0")
+    check(e.workers is None or e.workers >= 0,
+          f"env.workers must be >= 0 (0: step environments in the main process) or none (got {e.workers})")
     # model / tokenizer
     check(bool(cfg.model.preset) or cfg.model.path is not None, "model.preset or model.path must be set")
     if check_paths and cfg.model.path is not None:

@@ -339,6 +339,7 @@ class ALFWorldEnv(TextEnv):
 
     max_turns: int = 10
     show_admissible: ClassVar[bool] = True
+    slow_steps: ClassVar[bool] = True
 
     def __init__(self, split: str = "train", data_dir: str | os.PathLike | None = None,
                  task_types: str | Sequence[str] | None = None, data_folder: str | None = None,

@@ -68,6 +68,9 @@ class TextEnv(abc.ABC):
     max_turns: int = 1
     reward_scale: ClassVar[float] = 1.0
     """Environment reward per unit of the game's payoff (Kuhn: 5 per chip); payoff = reward / scale."""
+    slow_steps: ClassVar[bool] = False
+    """Steps and resets cost tens of milliseconds or more (ALFWorld, WebShop): by default the runner steps
+    these environments in worker processes (``env.workers``, ``mage_jax.envs.workers``)."""
     prompt_spec: PromptSpec
 
     @abc.abstractmethod

@@ -50,6 +50,15 @@ class IndependentAttemptsRunner:
     def env_options(self) -> dict[str, Any]:
         return self.base.env_options
 
+    @property
+    def workers(self) -> int:
+        """Environment worker processes of the base runner (0: in process)."""
+        return self.base.workers
+
+    def close(self) -> None:
+        """Stop the base runner's environment workers."""
+        self.base.close()
+
     def with_env_options(self, extra: Mapping[str, Any]) -> IndependentAttemptsRunner:
         """The same attempts on an environment with ``extra`` merged into its options."""
         return IndependentAttemptsRunner(self.base.with_env_options(extra), self.config.num_episodes)

@@ -19,6 +19,11 @@ rule:
   meta-episode waits for the slowest response of a turn. Sampling keys derive from (meta-episode,
   episode, phase/turn), not from the schedule.
 
+Environments: every reset, restart and step is an operation (``mage_jax.envs.workers``) the
+meta-episode yields like an LLM call. In process (``workers=0``) it is answered at once; with worker
+processes it is answered when its reply arrives, and the runner meanwhile keeps collecting the stream, so
+environments step while other meta-episodes decode (lockstep still admits a turn whole).
+
 Rows come back in completion order and are put back in the lockstep order (episode, play turns then
 reflection, turn, task), so the training batch, the outcomes and the statistics do not depend on the
 rule (greedy decoding: the same tokens; ``tests/generate/test_engine.py``). With a ``stop`` event the
@@ -66,6 +71,7 @@ from mage_jax.envs.prompts import (
     render_play_prompt,
     render_reflect_prompt,
 )
+from mage_jax.envs.workers import EnvOp, EnvPool, EnvReply, EnvWorkerError, InvalidStep, Reset, Restart, Step
 from mage_jax.generate.constraints import WordSequence
 from mage_jax.rollout.policy import Generation, GenerationRequest, Policy, PolicyStream
 from mage_jax.rollout.rows import Row
@@ -191,9 +197,10 @@ class _MetaState:
     """Mutable bookkeeping of one meta-episode while it runs."""
 
     task: Task
-    env: TextEnv
     outcome: MetaEpisodeOutcome
     reward_scale: float
+    env: EnvReply | None = None
+    """The environment as the last operation left it (observation, legal actions, ...)."""
     initial_observation: str = ""
     memory: list[EpisodeRecord] = dataclasses.field(default_factory=list)
     moves: list[Move] = dataclasses.field(default_factory=list)
@@ -216,11 +223,12 @@ class _Call:
     max_new_tokens: int | None
 
 
-_Play = Generator[_Call, "Generation | None", Any]
+_Play = Generator["_Call | EnvOp", "Generation | EnvReply | None", Any]
 
 
-def _advance(play: _Play, value: Generation | None) -> _Call | None:
-    """Resume a meta-episode with the response to its last call; its next call, or None when it ended."""
+def _advance(play: _Play, value: Generation | EnvReply | None) -> _Call | EnvOp | None:
+    """Resume a meta-episode with the answer to its last call (a response, or the reply of an environment
+    operation); its next call, or None when it ended."""
     try:
         return play.send(value)
     except StopIteration:
@@ -238,28 +246,40 @@ class RolloutProgress:
 
 
 class MetaEpisodeRunner:
-    """Plays meta-episodes of one environment type in lockstep; environments are reused across runs."""
+    """Plays meta-episodes of one environment type; environments are reused across runs.
+
+    ``workers``: environment worker processes (``mage_jax.envs.workers``; 0: step them in this process).
+    With workers, environments step while the policy decodes, and the results are those of in-process
+    stepping. ``close()`` stops the workers (they also stop with the runner or the process).
+    """
 
     def __init__(
-        self, env_name: str, env_options: Mapping[str, Any] | None = None, config: RunnerConfig | None = None
+        self, env_name: str, env_options: Mapping[str, Any] | None = None, config: RunnerConfig | None = None,
+        *, workers: int = 0,
     ):
         self.env_name = env_name
         self.env_options = dict(env_options or {})
         self.config = config or RunnerConfig()
-        self._pool: list[TextEnv] = []
         self._progress: Callable[[RolloutProgress], None] | None = None
         self._totals = RolloutProgress()
-        make_env(env_name, **self.env_options)  # fail early and clearly on a bad name or options
+        # Built here to fail early and clearly on a bad name or options; its static facts (prompt spec,
+        # turn limit, reward scale) are those of every environment of the runner.
+        self._template: TextEnv = make_env(env_name, **self.env_options)
+        self._envs = EnvPool(env_name, self.env_options, workers)
+
+    @property
+    def workers(self) -> int:
+        return self._envs.workers
 
     def with_env_options(self, extra: Mapping[str, Any]) -> MetaEpisodeRunner:
         """A runner of the same configuration on an environment with ``extra`` merged into its options
         (an evaluation split such as ``{"split": "valid_unseen"}`` or ``{"num_boxes": 1}``)."""
-        return MetaEpisodeRunner(self.env_name, {**self.env_options, **extra}, self.config)
+        return MetaEpisodeRunner(self.env_name, {**self.env_options, **extra}, self.config,
+                                 workers=self.workers)
 
-    def _envs(self, count: int) -> list[TextEnv]:
-        while len(self._pool) < count:
-            self._pool.append(make_env(self.env_name, **self.env_options))
-        return self._pool[:count]
+    def close(self) -> None:
+        """Stop the environment workers (none in process); a later ``run`` starts them again."""
+        self._envs.close()
 
     # -- public --------------------------------------------------------------------------------
     def run(self, tasks: Sequence[Task], policy: Policy, *, training: bool,
@@ -285,32 +305,26 @@ class MetaEpisodeRunner:
             "truncated_responses": 0,
         }
         self._training = training
-        states = []
-        for task, env in zip(tasks, self._envs(len(tasks))):
-            observation = env.reset(task.seed, opponent=task.opponent, seat=task.seat, copy=task.copy)
-            info = {"seed": task.seed, "opponent": task.opponent, "seat": task.seat, **dict(env.task_info)}
-            states.append(
-                _MetaState(
-                    task=task,
-                    env=env,
-                    outcome=MetaEpisodeOutcome(
-                        meta_episode=task.meta_episode,
-                        group=task.group,
-                        seed=task.seed,
-                        opponent=task.opponent,
-                        seat=task.seat,
-                        task_info=info,
-                    ),
-                    reward_scale=float(getattr(env, "reward_scale", 1.0)),
-                    initial_observation=observation,
-                )
+        scale = float(getattr(self._template, "reward_scale", 1.0))
+        states = [
+            _MetaState(
+                task=task,
+                outcome=MetaEpisodeOutcome(
+                    meta_episode=task.meta_episode, group=task.group, seed=task.seed, opponent=task.opponent,
+                    seat=task.seat,
+                ),
+                reward_scale=scale,
+                index=index,
             )
-
-        for index, s in enumerate(states):
-            s.index = index
+            for index, task in enumerate(tasks)
+        ]
         self._states = states
         plays = [self._meta_episode(s, policy) for s in states]
-        self._drive(plays, policy.stream(), stop)
+        try:
+            self._drive(plays, policy.stream(), stop)
+        except BaseException:
+            self._envs.abandon()  # a stopped rollout: replies still on their way are dropped
+            raise
         # Completion order depends on the schedule; the training batch keeps the lockstep order.
         order = sorted(range(len(self._rows)), key=self._row_keys.__getitem__)
         self._rows = [self._rows[i] for i in order]
@@ -326,21 +340,60 @@ class MetaEpisodeRunner:
         waiting: dict[int, _Call] = {}  # in the order the calls were made
         in_flight = 0
         meta_episodes = [s.task.meta_episode % 2**31 for s in self._states]
+        envs = self._envs
 
-        def advance(i: int, value: Generation | None) -> None:
-            call = _advance(plays[i], value)
-            while call is not None and call.prompt is None:
-                call = _advance(plays[i], None)
+        def advance(i: int, value: Generation | EnvReply | None) -> None:
+            """Run meta-episode ``i`` up to its next LLM call, or up to an environment operation sent
+            to a worker (it resumes when the reply comes)."""
+            while True:
+                call = _advance(plays[i], value)
+                if isinstance(call, (Reset, Restart, Step, InvalidStep)):
+                    value = envs.submit(i, call, self._task_name(i))
+                    if value is None:
+                        return
+                elif call is not None and call.prompt is None:
+                    value = None
+                else:
+                    break
             if call is None:
                 self._count(finished=1)
             else:
                 waiting[i] = call
 
+        def stepped(timeout: float) -> bool:
+            """Resume the meta-episodes whose environment replies arrived (waiting up to ``timeout`` for
+            the first); whether any did. A worker that died after a stop request is the stop (the same
+            signal may have reached it), not an error."""
+            try:
+                replies = envs.replies(timeout)
+            except EnvWorkerError:
+                if stop is not None and stop.is_set():
+                    raise Interrupted from None
+                raise
+            for i, reply in replies:
+                advance(i, reply)
+            return bool(replies)
+
+        def wait_for_envs() -> None:
+            """Block until some environment reply arrived, checking for a stop request meanwhile."""
+            while True:
+                if stop is not None and stop.is_set():
+                    raise Interrupted
+                if stepped(0.05):
+                    return
+
         for i in range(len(plays)):
             advance(i, None)
-        while waiting or in_flight:
+        while True:
+            stepped(0.0)
+            if not (waiting or in_flight or envs.pending):
+                break
             if stop is not None and stop.is_set():  # before submitting: a stopped rollout asks for nothing
                 raise Interrupted
+            if stream.lockstep and envs.pending and not in_flight:
+                # a turn is admitted whole: wait for the environments still stepping
+                wait_for_envs()
+                continue
             if not stream.lockstep:
                 admit = list(waiting)
             elif in_flight:
@@ -359,6 +412,9 @@ class MetaEpisodeRunner:
                 in_flight += 1
             if stop is not None and stop.is_set():
                 raise Interrupted
+            if envs.pending and not stream.busy:  # nothing to decode: only environments are working
+                wait_for_envs()
+                continue
             done = stream.collect()
             in_flight -= len(done)
             self._count(generations=[gen for _, gen in done])
@@ -369,6 +425,11 @@ class MetaEpisodeRunner:
                 advance(i, gen)
             if done:
                 self._report()
+
+    def _task_name(self, i: int) -> str:
+        t = self._states[i].task
+        who = f", opponent {t.opponent}, seat {t.seat}" if t.opponent is not None else ""
+        return f"meta-episode {t.meta_episode} (task seed {t.seed}{who})"
 
     def _count(self, *, generations: Sequence[Generation | None] = (), finished: int = 0) -> None:
         t = self._totals
@@ -382,14 +443,21 @@ class MetaEpisodeRunner:
     # -- one meta-episode ----------------------------------------------------------------------
     def _meta_episode(self, s: _MetaState, policy: Policy) -> _Play:
         """Meta-episode ``s`` as a coroutine: it yields each LLM call it needs and receives the response
-        (None: the prompt did not fit). Its prompts depend on its own history only, so any schedule that
-        answers its calls in order plays it identically."""
-        cfg = self.config
+        (None: the prompt did not fit), and each environment operation (``envs.workers``) and receives its
+        reply. Its prompts depend on its own history only, so any schedule that answers its calls in order
+        plays it identically."""
+        cfg, t = self.config, s.task
+        legal = self._wants_legal()
+        s.env = yield Reset(t.seed, opponent=t.opponent, seat=t.seat, copy=t.copy, legal=legal)
+        s.initial_observation = s.env.first_observation
+        info = s.env.task_info or {}
+        s.outcome.task_info = {"seed": t.seed, "opponent": t.opponent, "seat": t.seat, **info}
         for episode in range(cfg.num_episodes):
             if s.finished:
                 return
             if episode > 0:
-                s.initial_observation = s.env.restart()
+                s.env = yield Restart(legal=legal)
+                s.initial_observation = s.env.first_observation
             s.moves, s.episode_reward, s.last_result, s.done = [], 0.0, None, False
             yield from self._play_episode(s, episode, policy)
             record = self._end_episode(s)
@@ -401,16 +469,23 @@ class MetaEpisodeRunner:
             if s.outcome.won[-1]:
                 s.finished = True
 
-    def _max_turns(self, env: TextEnv) -> int:
-        return self.config.max_turns or int(env.max_turns)
+    def _max_turns(self) -> int:
+        return self.config.max_turns or int(self._template.max_turns)
+
+    def _shows_admissible(self) -> bool:
+        return bool(getattr(self._template, "show_admissible", False))
+
+    def _wants_legal(self) -> bool:
+        """Whether play turns read the legal actions (constrained decoding or prompts that list them)."""
+        return self.config.constrained_actions or self._shows_admissible()
 
     def _play_episode(self, s: _MetaState, episode: int, policy: Policy) -> _Play:
         cfg = self.config
-        for turn in range(self._max_turns(s.env)):
+        show = self._shows_admissible()
+        for turn in range(self._max_turns()):
             if s.done:
                 return
-            show = bool(getattr(s.env, "show_admissible", False))
-            legal = list(s.env.legal_actions()) if (cfg.constrained_actions or show) else None
+            legal = list(s.env.legal_actions or ()) if self._wants_legal() else None
 
             def render(memory: list[EpisodeRecord], spec, admissible=(legal if show else None)) -> str:
                 return render_play_prompt(
@@ -424,16 +499,17 @@ class MetaEpisodeRunner:
                     style=cfg.prompt_style,
                 )
 
-            prompt = self._fit_prompts([render], [s.memory], [s.env], policy)[0]
+            prompt = self._fit_prompts([render], [s.memory], [self._template], policy)[0]
             allowed = (
                 tuple(f"<action>{a}</action>" for a in legal) if cfg.constrained_actions and legal else None
             )
             anchor = play_anchor(s.env.observation, s.task.opponent)
             gen = yield _Call((episode, 0, turn), prompt, allowed, cfg.max_response_tokens)
             if gen is None:  # the prompt could not be made to fit
-                result = s.env.invalid_step("prompt longer than max_prompt_tokens")
+                s.env = yield InvalidStep("prompt longer than max_prompt_tokens", legal=self._wants_legal())
             else:
-                result = s.env.step(gen.text)
+                s.env = yield Step(gen.text, legal=self._wants_legal())
+            result = s.env.result
             s.moves.append(
                 Move(result.action, result.observation, float(result.reward), bool(result.info.valid))
             )
@@ -467,14 +543,14 @@ class MetaEpisodeRunner:
         """The reflection after ``episode`` (a coroutine step like ``_play_episode``); returns its text."""
         cfg = self.config
         privileged = (
-            s.env.privileged_observation() if (cfg.privileged_reflection and self._training) else None
+            s.env.privileged_observation if (cfg.privileged_reflection and self._training) else None
         )
 
         def render(memory: list[EpisodeRecord], spec) -> str:
             return render_reflect_prompt(spec, s.initial_observation, record, episode, style=cfg.prompt_style,
                                          privileged=privileged)
 
-        prompt = self._fit_prompts([render], [[]], [s.env], policy)[0]
+        prompt = self._fit_prompts([render], [[]], [self._template], policy)[0]
         words = (WordSequence(tuple(cfg.reflection_words), cfg.reflection_max_words) if cfg.reflection_words
                  else None)
         gen = yield _Call((episode, 1, 0), prompt, words, cfg.max_reflection_tokens)

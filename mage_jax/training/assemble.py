@@ -22,6 +22,7 @@ from mage_jax.algorithms import AdvantageConfig
 from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.envs.base import make_env
 from mage_jax.envs.two_player import TwoPlayerGameEnv
+from mage_jax.envs.workers import default_workers
 from mage_jax.generate.engine import RolloutEngine
 from mage_jax.generate.sampler import Sampler
 from mage_jax.generate.step import SamplingParams
@@ -132,7 +133,8 @@ def env_options(cfg: C.ExperimentConfig) -> dict[str, Any]:
 def _env_runner(cfg: C.ExperimentConfig, config: RunnerConfig) -> MetaEpisodeRunner:
     """A runner of ``cfg``'s environment; bad environment options or missing data are one ConfigError."""
     try:
-        return MetaEpisodeRunner(cfg.env.name, env_options(cfg), config)
+        workers = default_workers(cfg.env.name) if cfg.env.workers is None else cfg.env.workers
+        return MetaEpisodeRunner(cfg.env.name, env_options(cfg), config, workers=workers)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:  # ImportError: an optional package
         raise C.ConfigError(f"env {cfg.env.name}: {err}") from None
 

@@ -111,6 +111,7 @@ class WebShopEnv(TextEnv):
 
     max_turns: int = 12
     show_admissible: ClassVar[bool] = True
+    slow_steps: ClassVar[bool] = True
 
     def __init__(self, data_dir: str | None = None, split: str = "train", max_turns: int = 12,
                  size: str = "small", num_products: int | None = 1000, human_goals: bool = True,

@@ -1,0 +1,35 @@
+"""The host-path rollout benchmark runs end to end at tiny sizes: every environment asked for, sane
+shares and rates, the constraint bytes of the engine's current insert format, and a target list."""
+
+import json
+
+from experiments.benchmarks.rollout_host import QWEN_VOCAB, constraint_bytes_per_insert, main
+
+
+def test_constraint_bytes_follow_the_inserts_table_format():
+    # two requests of a 3-state automaton: the state axis is grown to 4 and kept for later inserts
+    assert constraint_bytes_per_insert([3, 1], held_states=1) == (2 * 4 * QWEN_VOCAB * 4, 4)
+    assert constraint_bytes_per_insert([1], held_states=4) == (4 * QWEN_VOCAB * 4, 4)
+
+
+def test_benchmark_writes_json_with_shares_rates_and_targets(tmp_path):
+    out = tmp_path / "bench.json"
+    # Sokoban stands in for the slow environments here (its workers start fast; WebShop's build an index)
+    report = main(["--envs", "kuhn_poker,sokoban", "--workers-envs", "sokoban", "--meta-episodes", "2",
+                   "--speedup", "50", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert report["load_average_before"] >= 0 and report["load_average_after"] >= 0
+    kuhn, sokoban = report["results"]
+    assert (kuhn["env"], kuhn["workers"]) == ("kuhn_poker", 0)
+    assert (sokoban["env"], sokoban["workers"]) == ("sokoban", 2)
+    for r in (kuhn, sokoban):
+        assert r["rows"] >= r["meta_episodes"] == 2 and r["invalid_action_ratio"] == 0.0
+        assert 0.0 <= r["host_share"] <= 1.0 and r["requests_per_s"] > 0
+        # every chunk sleeps its device time (a loaded machine oversleeps, never undersleeps)
+        assert r["decode_chunks"] * r["chunk_ms"] / 1e3 * 0.99 <= r["device_s"] <= r["timed_rollout_s"]
+        assert r["constraint_bytes_per_insert_max"] >= QWEN_VOCAB * 4 and r["inserts"] >= 1
+    assert sokoban["env_s_in_process"] > 0 and sokoban["stepping_speedup"] > 0
+    assert sokoban["env_hidden_fraction"] <= 1.0 and sokoban["workers_env_wait_s"] >= 0
+    names = {(t["env"], t["target"].split()[0]) for t in report["targets"]}
+    assert ("kuhn_poker", "host") in names and ("sokoban", "stepping") in names
+    assert all(isinstance(t["met"], bool) for t in report["targets"])
