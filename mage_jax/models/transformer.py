@@ -42,7 +42,9 @@ Two layouts of the blocks, chosen by `ModelConfig.scan_layers`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +103,29 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVC
         k=tuple(jnp.zeros((batch, heads, dim, max_len), dtype) for _ in range(n)),
         v=tuple(jnp.zeros((batch, heads, max_len, dim), dtype) for _ in range(n)),
     )
+
+
+def update_by_layer(update: Callable[..., jax.Array], config: ModelConfig, leaf: jax.Array,
+                    *others: jax.Array) -> jax.Array:
+    """``update(leaf, *others)`` for cache leaves of one layout that lead with rows [S, heads, ...].
+
+    A scanned model's leaves fold every layer into the kv-head axis; they are updated one layer at a time
+    (a ``fori_loop`` over the layers, each step on [S, Hkv, ...] views written back in place), so the
+    gathers and scatters of ``update`` hold one layer's share instead of copies of the whole cache.
+    Per-layer leaves are updated as they are."""
+    layers = config.num_layers if config.scan_layers else 1
+    if layers == 1:
+        return update(leaf, *others)
+
+    def view(a: jax.Array) -> jax.Array:  # [S, Hkv·L, ...] -> [S, Hkv, L, ...] (head-major: a bitcast)
+        return a.reshape(a.shape[0], a.shape[1] // layers, layers, *a.shape[2:])
+
+    def step(i, stacked):
+        pick = functools.partial(jax.lax.dynamic_index_in_dim, index=i, axis=2, keepdims=False)
+        part = update(pick(stacked), *(pick(view(a)) for a in others))
+        return jax.lax.dynamic_update_index_in_dim(stacked, part, i, axis=2)
+
+    return jax.lax.fori_loop(0, layers, step, view(leaf)).reshape(leaf.shape)
 
 
 # ---------------------------------------------------------------------------- masks and positions
@@ -226,35 +251,45 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
-            kv = _write_cache(kv, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), cache_index, layer)
-        if kv_start is None:
+            kv, this_layer = _write_cache(kv, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), cache_index,
+                                          layer)
+        if kv_start is None:  # a prefill reads nothing back from the cache
             out = attn.self_attention(q, k, v, segment_ids, implementation=implementation,
                                       block_size=self.block_size)
         else:
-            out = attn.cached_attention(q, *_read_cache(kv, layer), kv_start, cache_index)
+            out = attn.cached_attention(q, *this_layer, kv_start, cache_index)
         return constrain_rows(self.o_proj(constrain_rows(out.reshape(b, t, heads * dim)))), kv
 
 
 def _write_cache(kv: tuple[jax.Array, jax.Array], k_new: jax.Array, v_new: jax.Array, cache_index: jax.Array,
-                 layer: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+                 layer: jax.Array | None) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """Write keys [B,Hkv,D,T] and values [B,Hkv,T,D] at slots `cache_index ..` of one layer's cache, or
-    (`layer` given) of layer `layer` of the stacked [B,Hkv,L,...] cache, in place.
+    (`layer` given) of layer `layer` of the stacked [B,Hkv,L,...] cache, in place. -> (the updated
+    cache, this layer's keys [B,Hkv,D,S] and values [B,Hkv,S,D] after the write).
 
     `cache_index` is one position for every row, or one per row (the rollout engine's slots each sit
-    at their own length); a per-row position past the cache writes nothing (a finished slot)."""
+    at their own length); a per-row position past the cache writes nothing (a finished slot). Per-row
+    writes into the stacked cache scatter into the layer's slice (read anyway for attention) and put the
+    slice back: a scatter into the whole stack may be computed out of place (XLA:CPU scatters bfloat16 in
+    float32), which would copy every layer's cache."""
     cache_k, cache_v = kv
     k_new, v_new = k_new.astype(cache_k.dtype), v_new.astype(cache_v.dtype)
-    at_layer = () if layer is None else (layer,)
+    if layer is not None and cache_index.ndim == 1:
+        part = _write_cache(_read_cache(kv, layer), k_new, v_new, cache_index, None)[1]
+        return tuple(jax.lax.dynamic_update_index_in_dim(a, p, layer, axis=2) for a, p in zip(kv, part)), part
     if cache_index.ndim == 0:
+        at_layer = () if layer is None else (layer,)
         if layer is not None:
             k_new, v_new = k_new[:, :, None], v_new[:, :, None]
-        return (jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, *at_layer, 0, cache_index)),
-                jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, *at_layer, cache_index, 0)))
+        kv = (jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, *at_layer, 0, cache_index)),
+              jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, *at_layer, cache_index, 0)))
+        return kv, _read_cache(kv, layer)
     b, t = k_new.shape[0], k_new.shape[-1]
     rows = jnp.arange(b)[:, None]
     at = cache_index[:, None] + jnp.arange(t)[None, :]  # [B,T]
-    return (cache_k.at[rows, :, *at_layer, :, at].set(k_new.transpose(0, 3, 1, 2), mode="drop"),
-            cache_v.at[rows, :, *at_layer, at, :].set(v_new.transpose(0, 2, 1, 3), mode="drop"))
+    kv = (cache_k.at[rows, :, :, at].set(k_new.transpose(0, 3, 1, 2), mode="drop"),
+          cache_v.at[rows, :, at, :].set(v_new.transpose(0, 2, 1, 3), mode="drop"))
+    return kv, kv
 
 
 def _read_cache(kv: tuple[jax.Array, jax.Array], layer: jax.Array | None) -> tuple[jax.Array, jax.Array]:

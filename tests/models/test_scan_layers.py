@@ -147,7 +147,9 @@ def test_self_attention_prefill_and_decode_equal_the_unrolled_path():
     assert written[1, t + 2] and not written[1, t + 1] and not written[2, t:].any()
 
 
-def test_the_scanned_decode_updates_a_donated_cache_in_place():
+@pytest.mark.parametrize("index", [jnp.int32(5), jnp.arange(8, dtype=jnp.int32) + 5],
+                         ids=["one position", "one per row"])
+def test_the_scanned_decode_updates_a_donated_cache_in_place(index):
     _, (graphdef, state) = _pair()
     config = nnx.merge(graphdef, state).config
     cache = init_cache(config, 8, 512)
@@ -158,12 +160,12 @@ def test_the_scanned_decode_updates_a_donated_cache_in_place():
         return m(tokens, tokens + 5, cache=cache, cache_index=index, kv_start=jnp.zeros(8, jnp.int32))
 
     step = jax.jit(decode, donate_argnums=1)
-    memory = step.lower(state, cache, jnp.int32(5)).compile().memory_analysis()
+    memory = step.lower(state, cache, index).compile().memory_analysis()
     cache_bytes = sum(a.nbytes for a in jax.tree.leaves(cache))
     assert memory.alias_size_in_bytes == cache_bytes  # the updated cache lives in the donated buffers
     assert memory.temp_size_in_bytes < cache_bytes / 2  # no copy of the whole cache (one layer's read)
     before = cache.k[0].unsafe_buffer_pointer()
-    _, cache = step(state, cache, jnp.int32(5))
+    _, cache = step(state, cache, index)
     assert cache.k[0].unsafe_buffer_pointer() == before
 
 
@@ -247,7 +249,7 @@ def test_hugging_face_import_into_the_stacked_layout_and_export_round_trip(hf_ch
 # ------------------------------------------------------------------------------ greedy generation
 def test_greedy_generation_equals_the_unrolled_path_in_the_sampler_and_the_engine():
     (graphdef, state), (graphdef_s, state_s) = _pair(dataclasses.replace(CONFIG, num_layers=2), seed=2)
-    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 24]]
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [5, 6, 7], [20, 21, 22, 23, 24]]  # one prompt twice
     params = SamplingParams(greedy=True, max_new_tokens=6)
     outputs = []
     for g, s in ((graphdef, state), (graphdef_s, state_s)):
@@ -258,7 +260,8 @@ def test_greedy_generation_equals_the_unrolled_path_in_the_sampler_and_the_engin
         requests = [EngineRequest(tag=i, prompt_ids=tuple(p), limit=6, automaton=None,
                                   key_path=(i,) + (0,) * (KEY_PATH_LEN - 1)) for i, p in enumerate(prompts)]
         results = generate_all(engine.session(s, params, jax.random.key(0)), requests)
-        outputs.append(([list(t) for t in lockstep.tokens], [list(results[i].tokens) for i in range(3)]))
+        outputs.append(([list(t) for t in lockstep.tokens], [list(results[i].tokens) for i in range(4)]))
+        assert engine.last_stats.prefill_rows == 3  # the repeated prompt's keys and values were copied
     assert outputs[1] == outputs[0]
     assert outputs[0][0] == outputs[0][1]  # and the engine gives the lockstep tokens
     assert sum(map(len, outputs[0][0])) > 6  # tokens were generated
