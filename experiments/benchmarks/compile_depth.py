@@ -18,6 +18,7 @@ met or not, with the 1-minute load average before and after.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import Any
 
@@ -45,8 +46,9 @@ def measure(env: str, preset: str, depth: int, scan: bool, overrides: dict[str, 
     from mage_jax import aot
     from mage_jax import config as C
 
-    model_overrides = {**dict(overrides.get("model.overrides") or {}), "scan_layers": scan}
-    cfg = plan.preset_config(env, preset, {**overrides, "model.overrides": model_overrides})
+    cfg = plan.preset_config(env, preset, overrides)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, overrides={**cfg.model.overrides, "scan_layers": scan}))
     setup = plan.make_setup(cfg, 1, num_layers=depth)
     if setup.model_config.scan_layers != scan:
         raise C.ConfigError("the model layout override did not reach the model config")
