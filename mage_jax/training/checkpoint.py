@@ -142,7 +142,7 @@ def _mismatch(saved: Mapping[str, Any], wanted: Mapping[str, list[Any]]) -> str 
 
 def _layout_hint(saved: Mapping[str, Any], template: Any) -> str:
     """When the two states keep the decoder blocks in different layouts (one block per layer, or one
-    stacked block: ``ModelConfig.scan_layers``), how to resume."""
+    stacked block: ``ModelConfig.scan_layers``), say so."""
     def per_layer(paths: Any) -> bool | None:
         paths = [p for p in paths if "['layers']" in p]
         return None if not paths else any(p.split("['layers']", 1)[1].startswith("[") and
@@ -151,9 +151,9 @@ def _layout_hint(saved: Mapping[str, Any], template: Any) -> str:
     have, want = per_layer(saved), per_layer(state_signature(template))
     if have is None or want is None or have == want:
         return ""
-    value = "false" if have else "true"
-    return f" (its decoder blocks are {'unrolled' if have else 'scanned'}: add --model.overrides " \
-           f"'{{\"scan_layers\": {value}}}')"
+    saved_layout, this_layout = ("unrolled", "scanned") if have else ("scanned", "unrolled")
+    return (f" (its decoder blocks are {saved_layout}, this run's are {this_layout}: ModelConfig.scan_layers "
+            f"differs, and a checkpoint restores only in the layout it was saved in)")
 
 
 def meta_digest(meta: Mapping[str, Any]) -> str:
