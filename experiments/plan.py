@@ -24,12 +24,15 @@ with the KL term, the frozen reference parameters. A program needs the resident 
 adds beyond its state arguments (peak - state arguments); the plan's ``peak`` is the largest of these.
 A preset fits a device when that peak is below ``USABLE_FRACTION`` of its memory.
 
-Each program is compiled at two depths (``--layers``, default 3 and 6) and extrapolated linearly to the
-model's depth, bytes(L) = bytes(6) + (L - 6) x (bytes(6) - bytes(3)) / 3: every decoder block adds the
-same parameters, optimizer state, KV cache and (one block at a time under remat) activations. Single
-steps of depth are not XLA's linear regime (its memory schedule moves by a block's worth from one depth
-to the next), so the slope is taken over three blocks; on Kuhn Poker ``small`` the plan then equals a
-full 28-layer compile for every program (docs/scaling.md). XLA:CPU computes bfloat16 products in float32
+A model that scans its blocks (``ModelConfig.scan_layers``: the pretrained presets and every model read
+from a folder) holds one block per program whatever its depth, so each program is compiled at the
+model's full depth and nothing is extrapolated. An unrolled model (or ``--layers LO HI``) is compiled at
+two depths (default 3 and 6) and extrapolated linearly to the model's depth,
+bytes(L) = bytes(6) + (L - 6) x (bytes(6) - bytes(3)) / 3: every decoder block adds the same
+parameters, optimizer state, KV cache and (one block at a time under remat) activations. Single steps of
+depth are not XLA's linear regime (its memory schedule moves by a block's worth from one depth to the
+next), so the slope is taken over three blocks; on Kuhn Poker ``small`` the extrapolation equals a full
+28-layer compile for every program (docs/scaling.md). XLA:CPU computes bfloat16 products in float32
 and has no flash-attention kernel, so the numbers are an upper bound of what a GPU or TPU compile
 reports. FLOPs are XLA's cost analysis per device; a ``while`` loop body (a decode step) is counted
 once. A from-scratch model (``tiny``) is planned with a 256-token vocabulary (its word-level
@@ -337,14 +340,25 @@ def _measure(name: str, setup: Setup, depth: int, key: tuple, compile_fn: Any, l
     return _COMPILED[full_key]
 
 
-def plan_devices(cfg: C.ExperimentConfig, devices: int, *, layers: Sequence[int] = DEFAULT_LAYERS,
+def compiled_depths(model_config: Any, layers: Sequence[int] | None = None) -> list[int]:
+    """The depths a plan compiles: ``layers`` (capped at the model's depth), by default the full depth
+    when the model scans its blocks (a scanned program costs the same to compile at any depth, so
+    nothing is extrapolated) and ``DEFAULT_LAYERS`` when it unrolls them."""
+    depth = model_config.num_layers
+    if layers is None:
+        layers = (depth,) if model_config.scan_layers else DEFAULT_LAYERS
+    return sorted({min(n, depth) for n in layers})
+
+
+def plan_devices(cfg: C.ExperimentConfig, devices: int, *, layers: Sequence[int] | None = None,
                  model_path: str | None = None, log: Any = None) -> dict[str, Any]:
     """The plan of ``cfg`` on ``devices`` devices: resident state, KV cache and the run's programs
-    (``programs_of``)."""
+    (``programs_of``), compiled at ``layers`` and extrapolated (default: the full depth when the model
+    scans its blocks, else ``DEFAULT_LAYERS``)."""
     log = log or (lambda message: None)
     full = make_setup(cfg, devices, model_path=model_path)
     depth = full.model_config.num_layers
-    depths = sorted({min(n, depth) for n in layers})
+    depths = compiled_depths(full.model_config, layers)
     lo, hi = depths[0], depths[-1]
     params = device_bytes(full.params)
     opt_state = device_bytes(full.opt_state)
@@ -461,7 +475,7 @@ def verdict(plan: Mapping[str, Any], hardware: Hardware, cfg: C.ExperimentConfig
 
 
 def make_plan(cfg: C.ExperimentConfig, hardware: Sequence[Hardware], *, devices: int | None = None,
-              layers: Sequence[int] = DEFAULT_LAYERS, model_path: str | None = None,
+              layers: Sequence[int] | None = None, model_path: str | None = None,
               log: Any = None) -> dict[str, Any]:
     """Plans of ``cfg`` for every device count the ``hardware`` needs (``devices`` overrides them all)
     and a verdict per hardware. Runs in a process with enough (fake) devices."""
@@ -477,7 +491,7 @@ def make_plan(cfg: C.ExperimentConfig, hardware: Sequence[Hardware], *, devices:
     }
 
 
-def plan_presets(pairs: Sequence[tuple[str, str]], *, layers: Sequence[int] = DEFAULT_LAYERS,
+def plan_presets(pairs: Sequence[tuple[str, str]], *, layers: Sequence[int] | None = None,
                  log: Any = None) -> list[dict[str, Any]]:
     """The plan of every (environment, preset) against the hardware its definition names; programs
     shared by several presets are compiled once. Runs in a process with enough (fake) devices."""
@@ -560,8 +574,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", action="append", default=None,
                    help=f"one of {', '.join(HARDWARE)} (repeatable; default: the hardware the preset names, "
                         "else every kind)")
-    p.add_argument("--layers", type=int, nargs=2, default=list(DEFAULT_LAYERS), metavar=("LO", "HI"),
-                   help="depths compiled and extrapolated from (default 3 4)")
+    p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="depths compiled and extrapolated from (default: the full depth for a model that "
+                        "scans its blocks, else 3 6)")
     p.add_argument("--model-path", default=None, help="a local HF folder to read the model config from")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
@@ -574,7 +589,7 @@ class _Request:
     preset: str
     hardware: tuple[Hardware, ...]
     devices: int | None
-    layers: tuple[int, int]
+    layers: tuple[int, int] | None
     model_path: str | None
     json: bool
 
@@ -595,7 +610,7 @@ def _request(argv: Sequence[str] | None) -> _Request:
         raise C.ConfigError(f"unknown hardware {unknown[0]!r}; known: {', '.join(HARDWARE)}")
     if args.devices is not None and args.devices < 1:
         raise C.ConfigError(f"--devices must be >= 1 (got {args.devices})")
-    if min(args.layers) < 1 or args.layers[0] >= args.layers[1]:
+    if args.layers is not None and (min(args.layers) < 1 or args.layers[0] >= args.layers[1]):
         raise C.ConfigError(f"--layers takes two depths LO < HI, both >= 1 (got {args.layers})")
     hardware = tuple(HARDWARE[n] for n in dict.fromkeys(names))
     for count in {args.devices or h.devices for h in hardware}:
@@ -606,7 +621,8 @@ def _request(argv: Sequence[str] | None) -> _Request:
             MeshConfig(m.data, m.fsdp, m.tensor).resolve(count)
         except ValueError as err:
             raise C.ConfigError(f"mesh: {err}") from None
-    return _Request(cfg, args.preset, hardware, args.devices, tuple(args.layers), args.model_path, args.json)
+    return _Request(cfg, args.preset, hardware, args.devices,
+                    None if args.layers is None else tuple(args.layers), args.model_path, args.json)
 
 
 def table(plan: Mapping[str, Any], preset: str) -> str:

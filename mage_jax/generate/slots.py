@@ -67,7 +67,7 @@ from mage_jax.generate.step import (
     runtime_values,
     token_step,
 )
-from mage_jax.models.transformer import KVCache, init_cache
+from mage_jax.models.transformer import KVCache, init_cache, update_by_layer
 
 _NOWHERE = 2**30  # a cache position past any cache: the write is dropped
 DEFAULT_SLOT_LEVELS = 4  # slot buckets: all slots, 1/2, 1/4, 1/8
@@ -333,13 +333,16 @@ class SlotSampler:
                 value = value.reshape(src.shape + value.shape[1:])
                 return self._on_blocks(lambda b, d, v: b.at[d].set(v, mode="drop"), array, spec, (dst, value))
 
+            # A scanned model's cache leaves are copied one layer at a time (update_by_layer).
             def copy_keys(block, d, f, c, s, x):  # keys [local, Hkv, D, L]: the donor's first P positions
-                return block.at[d, :, :, :p].set(
-                    jnp.where(c[:, None, None, None], block[f, :, :, :p], x[s]), mode="drop")
+                return update_by_layer(lambda block, x: block.at[d, :, :, :p].set(
+                    jnp.where(c[:, None, None, None], block[f, :, :, :p], x[s]), mode="drop"),
+                    config, block, x)
 
             def copy_values(block, d, f, c, s, x):  # values [local, Hkv, L, D]
-                return block.at[d, :, :p, :].set(
-                    jnp.where(c[:, None, None, None], block[f, :, :p, :], x[s]), mode="drop")
+                return update_by_layer(lambda block, x: block.at[d, :, :p, :].set(
+                    jnp.where(c[:, None, None, None], block[f, :, :p, :], x[s]), mode="drop"),
+                    config, block, x)
 
             cache = KVCache(
                 k=tuple(self._on_blocks(copy_keys, c, spec, (dst, from_slot, copied, src), x)

@@ -94,6 +94,11 @@ class ModelConfig:
     """Adapter outputs are scaled by ``lora_alpha / lora_rank``."""
     lora_targets: tuple[str, ...] = LORA_TARGETS
     """Projections that get an adapter (a subset of ``LORA_TARGETS``: q/k/v/o and gate/up/down)."""
+    scan_layers: bool = False
+    """Run the blocks under one ``jax.lax.scan`` over stacked parameters (every block parameter gets a
+    leading layer axis, the KV cache is one array per keys / values), so a program holds one copy of the
+    block and its compile time does not grow with depth. Off: the blocks are unrolled (the reference
+    path, one copy per layer). On for the pretrained presets and for folders read by ``from_hf_config``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rope_scaling", _freeze_rope_scaling(self.rope_scaling))
@@ -131,6 +136,8 @@ class ModelConfig:
             if unknown or not self.lora_targets:
                 raise ValueError(f"lora_targets must be a non-empty subset of {', '.join(LORA_TARGETS)}, "
                                  f"got {', '.join(self.lora_targets) or 'none'}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be true or false, got {self.scan_layers!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -232,6 +239,7 @@ class ModelConfig:
             qkv_bias=architecture == "qwen2",
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             architecture=architecture,
+            scan_layers=True,  # pretrained depths (24-36 layers): compile one block, not all of them
         )
         fields.update(overrides)
         return cls(**fields)
@@ -341,7 +349,7 @@ def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tie: bool) -
         vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate, num_layers=layers,
         num_heads=heads, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=tie, qk_norm=True, qkv_bias=False, max_position_embeddings=40960,
-        architecture="qwen3", param_dtype="bfloat16", dtype="bfloat16",
+        architecture="qwen3", param_dtype="bfloat16", dtype="bfloat16", scan_layers=True,
     )
 
 

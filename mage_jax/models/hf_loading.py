@@ -11,7 +11,10 @@ one ``ValueError`` naming the file, an index may only name files inside the fold
 block is checked to be finite (NaN or inf weights would otherwise train silently into NaN).
 
 Hugging Face stores linear weights as [out, in]; we store kernels as [in, out], so those are
-transposed on the way in and out. LoRA adapters are not in a Hugging Face folder: loading a config
+transposed on the way in and out. A scanned model (`ModelConfig.scan_layers`) keeps every block
+parameter stacked over a leading layer axis: its `layers/attn/q_proj/kernel` [L, in, out] is read from
+`model.layers.<i>.self_attn.q_proj.weight` of every layer i (each device reading its block of each) and
+written back as those L tensors. LoRA adapters are not in a Hugging Face folder: loading a config
 with `lora_rank > 0` initialises them fresh, and export folds them into the kernels.
 """
 
@@ -33,7 +36,7 @@ from safetensors import safe_open
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.lora import has_adapters, merge_adapters, split_adapters
 from mage_jax.models.sharding import param_shardings, path_to_str
-from mage_jax.models.transformer import Transformer
+from mage_jax.models.transformer import Transformer, unstack_layers
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -42,7 +45,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def hf_name_map(config: ModelConfig) -> dict[str, tuple[str, bool]]:
-    """Our parameter path -> (Hugging Face tensor name, stored transposed?)."""
+    """Our parameter path in the unrolled layout (`layers/<i>/...`) -> (Hugging Face tensor name, stored
+    transposed?). A scanned model's stacked `layers/...` holds `layers/<i>/...` of every layer i."""
     names: dict[str, tuple[str, bool]] = {"embed/embedding": ("model.embed_tokens.weight", False)}
     for i in range(config.num_layers):
         ours, theirs = f"layers/{i}", f"model.layers.{i}"
@@ -182,19 +186,28 @@ def load_hf_params(
                 handles[file] = stack.enter_context(_open_safetensors(file))
             return handles[file].get_slice(name)
 
-        def load(key_path, leaf, sharding):
-            ours = path_to_str(key_path)
+        def one(ours: str, shape: tuple[int, ...]) -> Callable[[Any], np.ndarray]:
             if ours not in names:
                 raise ValueError(f"no Hugging Face tensor is mapped to parameter {ours!r}")
             name, transposed = names[ours]
             tensor = reader(name)
-            shape = tuple(tensor.get_shape())
-            want = tuple(leaf.shape[::-1]) if transposed else tuple(leaf.shape)
-            if shape != want:
-                raise ValueError(f"tensor {name!r} has shape {shape}, expected {want}")
-            return jax.make_array_from_callback(
-                tuple(leaf.shape), sharding, _slice_reader(tensor, transposed, param_dtype, name, files[name])
-            )
+            have = tuple(tensor.get_shape())
+            want = shape[::-1] if transposed else shape
+            if have != want:
+                raise ValueError(f"tensor {name!r} has shape {have}, expected {want}")
+            return _slice_reader(tensor, transposed, param_dtype, name, files[name])
+
+        def load(key_path, leaf, sharding):
+            ours, shape = path_to_str(key_path), tuple(leaf.shape)
+            if not (config.scan_layers and ours.startswith("layers/")):
+                return jax.make_array_from_callback(shape, sharding, one(ours, shape))
+            rest = ours.removeprefix("layers/")
+            layers = [one(f"layers/{i}/{rest}", shape[1:]) for i in range(shape[0])]
+
+            def read(index: tuple[slice, ...]) -> np.ndarray:  # this device's block of every layer it holds
+                return np.stack([layers[i](index[1:]) for i in range(shape[0])[index[0]]])
+
+            return jax.make_array_from_callback(shape, sharding, read)
 
         state = jax.tree_util.tree_map_with_path(load, abstract_state, shardings)
     if config.lora_rank:  # fresh adapters (B = 0: the loaded model's outputs are unchanged)
@@ -253,6 +266,8 @@ def export_hf(
         state = nnx.state(state, nnx.Param)
     if has_adapters(state):  # LoRA: export W + (alpha / r) A B, a plain model of the base architecture
         state = merge_adapters(state, config.lora_scale)
+    if config.scan_layers:  # one tensor per layer, as Hugging Face names them
+        state = unstack_layers(state)
     out_dir = os.fspath(out_dir)
     names = hf_name_map(config)
     tensors: dict[str, np.ndarray] = {}

@@ -9,6 +9,8 @@ Rules are regular expressions on the '/'-joined parameter path (`layers/3/attn/q
 are searched, not anchored at the start, so the same rules shard optimizer state whose leaves
 mirror the parameters under a prefix (`0/mu/layers/3/attn/q_proj/kernel`). A dimension that the
 mesh axis does not divide is replicated instead, so odd sizes (tiny vocabularies) still work.
+A scanned model's stacked block parameters (`layers/attn/q_proj/kernel` [L, in, out]) take the same
+rule on the dimensions after the layer axis, which is never split.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     # LoRA adapters ([in, r] and [r, out], mage_jax.models.lora): small, replicated.
     (r"(^|/)lora/lora_(a|b)$", (None, None)),
 )
+# A scanned model's block parameters (`layers/attn/q_proj/kernel`, no layer number): the rule's axes
+# apply to the dimensions after the leading layer axis, which stays whole (every device runs every layer).
+STACKED_LAYERS = r"(^|/)layers/[^/0-9]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +120,8 @@ def partition_spec(path: str, shape: Sequence[int], mesh: Mesh, *, strict: bool 
         return PartitionSpec()
     for pattern, axes in PARTITION_RULES:
         if re.search(pattern, path):
+            if re.search(STACKED_LAYERS, path):  # a scanned model's [L, ...] block parameter
+                axes = (None, *axes)
             if len(axes) != len(shape):  # e.g. factored optimizer statistics: keep them whole
                 return PartitionSpec()
             return _fit(axes, shape, mesh)
@@ -170,7 +177,8 @@ def cache_sharding(config: ModelConfig, mesh: Mesh, batch: int) -> NamedSharding
     """KV cache: rows over ('data','fsdp'), kv heads over 'tensor' when they divide.
 
     One sharding for every leaf of the `KVCache`: per-layer keys [B,Hkv,D,S] and values [B,Hkv,S,D]
-    both lead with rows and kv heads.
+    both lead with rows and kv heads; the scanned layout's [B,Hkv·L,...] folds the layers into the kv-head
+    axis head-major, so splitting it over 'tensor' still gives each device whole heads of every layer.
     """
     rows = BATCH_AXES if batch % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else None
     heads = "tensor" if config.num_kv_heads % mesh.shape["tensor"] == 0 else None

@@ -21,18 +21,30 @@ slots `cache_index .. cache_index+T-1`. Decode writes the new tokens at `cache_i
 over the per-row span of valid slots `kv_start[b] .. cache_index+t`. How attention is computed (dense,
 blockwise, cuDNN, splash) is `ModelConfig.attention`; see `mage_jax.models.attention`.
 
-`KVCache` holds one key and one value array per layer, head-major: keys [B, num_kv_heads, head_dim, S]
-(slots last) and values [B, num_kv_heads, S, head_dim]. Both decode products are then plain
-batched matrix products over (B, kv head) with no transposed operand: q·K contracts head_dim against
-the keys' rows, probs·V contracts the slots against the values' rows. Separate arrays per layer let
-a layer read its cache without slicing (copying) a stacked [L, ...] array every step. They are only
-ever written with `lax.dynamic_update_slice`, so a donated cache is updated in place.
+`KVCache` holds keys and values head-major: keys [B, num_kv_heads, head_dim, S] (slots last) and
+values [B, num_kv_heads, S, head_dim]. Both decode products are then plain batched matrix products
+over (B, kv head) with no transposed operand: q·K contracts head_dim against the keys' rows, probs·V
+contracts the slots against the values' rows. They are only ever written with
+`lax.dynamic_update_slice` (or a scatter for per-row positions), so a donated cache is updated in place.
+
+Two layouts of the blocks, chosen by `ModelConfig.scan_layers`:
+
+* unrolled (the reference): `layers` is a list of blocks, each program holds one copy of every block,
+  and the cache holds one key and one value array per layer (a layer reads its cache without slicing);
+* scanned: `layers` is one block whose every parameter has a leading layer axis [L, ...], run under
+  one `jax.lax.scan`, so a program holds one copy of the block whatever the depth. The cache is then one
+  key array [B, num_kv_heads·L, head_dim, S] and one value array [B, num_kv_heads·L, S, head_dim]: the
+  layers folded into the kv-head axis head-major (index h·L + l), so it has the same rows axis, slot axis
+  and kv-head sharding as the per-layer arrays (the engine's slot programs treat both alike), and the
+  scan carries it whole and writes each layer's new slots in place.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,14 +61,11 @@ from mage_jax.models.mesh_axes import constrain_rows
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Per-layer keys `k[i]` [B, Hkv, D, S] and values `v[i]` [B, Hkv, S, D] (see the module docstring)."""
+    """Keys `k[i]` [B, Hkv, D, S] and values `v[i]` [B, Hkv, S, D] per layer, or one of each with the
+    layers folded into the kv-head axis when the model scans its blocks (see the module docstring)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.v)
 
     @property
     def max_len(self) -> int:
@@ -66,19 +75,57 @@ class KVCache:
     def batch_size(self) -> int:
         return self.v[0].shape[0]
 
-    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+    def num_layers(self, num_kv_heads: int) -> int:
+        """Layers held, for a model of `num_kv_heads` kv heads (either layout)."""
+        return len(self.k) * self.k[0].shape[1] // num_kv_heads
+
+    def layer(self, i: int, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of layer `i` in token-major order, [B, S, Hkv, D] each (inspection, tests)."""
-        return self.k[i].transpose(0, 3, 1, 2), self.v[i].transpose(0, 2, 1, 3)
+        if self.k[0].shape[1] == num_kv_heads:
+            k, v = self.k[i], self.v[i]
+        else:
+            b, folded, dim, slots = self.k[0].shape
+            shape = (b, num_kv_heads, folded // num_kv_heads)
+            k = self.k[0].reshape(*shape, dim, slots)[:, :, i]
+            v = self.v[0].reshape(*shape, slots, dim)[:, :, i]
+        return k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """A zero cache for `batch` rows of `max_len` slots (dtype defaults to the compute dtype)."""
+    """A zero cache for `batch` rows of `max_len` slots (dtype defaults to the compute dtype), in the
+    layout of `config.scan_layers`."""
     dtype = config.jnp_dtype if dtype is None else jnp.dtype(dtype)
     heads, dim, n = config.num_kv_heads, config.head_dim, config.num_layers
+    if config.scan_layers:
+        return KVCache(k=(jnp.zeros((batch, heads * n, dim, max_len), dtype),),
+                       v=(jnp.zeros((batch, heads * n, max_len, dim), dtype),))
     return KVCache(
         k=tuple(jnp.zeros((batch, heads, dim, max_len), dtype) for _ in range(n)),
         v=tuple(jnp.zeros((batch, heads, max_len, dim), dtype) for _ in range(n)),
     )
+
+
+def update_by_layer(update: Callable[..., jax.Array], config: ModelConfig, leaf: jax.Array,
+                    *others: jax.Array) -> jax.Array:
+    """``update(leaf, *others)`` for cache leaves of one layout that lead with rows [S, heads, ...].
+
+    A scanned model's leaves fold every layer into the kv-head axis; they are updated one layer at a time
+    (a ``fori_loop`` over the layers, each step on [S, Hkv, ...] views written back in place), so the
+    gathers and scatters of ``update`` hold one layer's share instead of copies of the whole cache.
+    Per-layer leaves are updated as they are."""
+    layers = config.num_layers if config.scan_layers else 1
+    if layers == 1:
+        return update(leaf, *others)
+
+    def view(a: jax.Array) -> jax.Array:  # [S, Hkv·L, ...] -> [S, Hkv, L, ...] (head-major: a bitcast)
+        return a.reshape(a.shape[0], a.shape[1] // layers, layers, *a.shape[2:])
+
+    def step(i, stacked):
+        pick = functools.partial(jax.lax.dynamic_index_in_dim, index=i, axis=2, keepdims=False)
+        part = update(pick(stacked), *(pick(view(a)) for a in others))
+        return jax.lax.dynamic_update_index_in_dim(stacked, part, i, axis=2)
+
+    return jax.lax.fori_loop(0, layers, step, view(leaf)).reshape(leaf.shape)
 
 
 # ---------------------------------------------------------------------------- masks and positions
@@ -189,8 +236,12 @@ class Attention(nnx.Module):
             self.q_norm = nnx.data(None)
             self.k_norm = nnx.data(None)
 
-    def __call__(self, x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation: str):
-        """-> (output [B,T,H], this layer's updated (keys, values) cache or None)."""
+    def __call__(self, x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation: str,
+                 layer: jax.Array | None = None):
+        """-> (output [B,T,H], the updated (keys, values) cache or None).
+
+        `kv` is this layer's (keys, values), or with `layer` (the scanned layout) every layer's,
+        [B, Hkv, L, D, S] and [B, Hkv, L, S, D], of which layer `layer` is read and written."""
         b, t, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q = constrain_rows(self.q_proj(x).reshape(b, t, heads, dim))
@@ -200,24 +251,52 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
-            cache_k, cache_v = kv
-            k_new = k.transpose(0, 2, 3, 1).astype(cache_k.dtype)  # [B,Hkv,D,T]
-            v_new = v.transpose(0, 2, 1, 3).astype(cache_v.dtype)  # [B,Hkv,T,D]
-            if cache_index.ndim == 0:
-                kv = (jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, cache_index)),
-                      jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, cache_index, 0)))
-            else:  # per-row write positions (the rollout engine's slots each sit at their own length);
-                # a position past the cache is dropped (a finished slot writes nothing)
-                rows = jnp.arange(b)[:, None]
-                at = cache_index[:, None] + jnp.arange(t)[None, :]  # [B,T]
-                kv = (cache_k.at[rows, :, :, at].set(k_new.transpose(0, 3, 1, 2), mode="drop"),
-                      cache_v.at[rows, :, at, :].set(v_new.transpose(0, 2, 1, 3), mode="drop"))
-        if kv_start is None:
+            kv, this_layer = _write_cache(kv, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), cache_index,
+                                          layer)
+        if kv_start is None:  # a prefill reads nothing back from the cache
             out = attn.self_attention(q, k, v, segment_ids, implementation=implementation,
                                       block_size=self.block_size)
         else:
-            out = attn.cached_attention(q, kv[0], kv[1], kv_start, cache_index)
+            out = attn.cached_attention(q, *this_layer, kv_start, cache_index)
         return constrain_rows(self.o_proj(constrain_rows(out.reshape(b, t, heads * dim)))), kv
+
+
+def _write_cache(kv: tuple[jax.Array, jax.Array], k_new: jax.Array, v_new: jax.Array, cache_index: jax.Array,
+                 layer: jax.Array | None) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """Write keys [B,Hkv,D,T] and values [B,Hkv,T,D] at slots `cache_index ..` of one layer's cache, or
+    (`layer` given) of layer `layer` of the stacked [B,Hkv,L,...] cache, in place. -> (the updated
+    cache, this layer's keys [B,Hkv,D,S] and values [B,Hkv,S,D] after the write).
+
+    `cache_index` is one position for every row, or one per row (the rollout engine's slots each sit
+    at their own length); a per-row position past the cache writes nothing (a finished slot). Per-row
+    writes into the stacked cache scatter into the layer's slice (read anyway for attention) and put the
+    slice back: a scatter into the whole stack may be computed out of place (XLA:CPU scatters bfloat16 in
+    float32), which would copy every layer's cache."""
+    cache_k, cache_v = kv
+    k_new, v_new = k_new.astype(cache_k.dtype), v_new.astype(cache_v.dtype)
+    if layer is not None and cache_index.ndim == 1:
+        part = _write_cache(_read_cache(kv, layer), k_new, v_new, cache_index, None)[1]
+        return tuple(jax.lax.dynamic_update_index_in_dim(a, p, layer, axis=2) for a, p in zip(kv, part)), part
+    if cache_index.ndim == 0:
+        at_layer = () if layer is None else (layer,)
+        if layer is not None:
+            k_new, v_new = k_new[:, :, None], v_new[:, :, None]
+        kv = (jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, *at_layer, 0, cache_index)),
+              jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, *at_layer, cache_index, 0)))
+        return kv, _read_cache(kv, layer)
+    b, t = k_new.shape[0], k_new.shape[-1]
+    rows = jnp.arange(b)[:, None]
+    at = cache_index[:, None] + jnp.arange(t)[None, :]  # [B,T]
+    kv = (cache_k.at[rows, :, :, at].set(k_new.transpose(0, 3, 1, 2), mode="drop"),
+          cache_v.at[rows, :, at, :].set(v_new.transpose(0, 2, 1, 3), mode="drop"))
+    return kv, kv
+
+
+def _read_cache(kv: tuple[jax.Array, jax.Array], layer: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """This layer's keys [B,Hkv,D,S] and values [B,Hkv,S,D] (`layer`: sliced from the stacked cache)."""
+    if layer is None:
+        return kv
+    return tuple(jax.lax.dynamic_index_in_dim(a, layer, axis=2, keepdims=False) for a in kv)
 
 
 class MLP(nnx.Module):
@@ -240,9 +319,10 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
         self.mlp = MLP(config, rngs)
 
-    def __call__(self, x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation: str):
+    def __call__(self, x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation: str,
+                 layer: jax.Array | None = None):
         h, kv = self.attn(self.input_norm(x), cos, sin, segment_ids, kv, cache_index, kv_start,
-                          implementation)
+                          implementation, layer)
         x = constrain_rows(x + h)
         x = constrain_rows(x + self.mlp(self.post_attn_norm(x)))
         return x, kv
@@ -259,6 +339,41 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding.value, tokens, axis=0)
 
 
+def stack_blocks(blocks: list[Block]) -> Block:
+    """One block whose every variable is the blocks' variables stacked on a new leading layer axis."""
+    graphdef = nnx.graphdef(blocks[0])
+    states = [nnx.state(block) for block in blocks]
+    return nnx.merge(graphdef, jax.tree.map(lambda *layers: jnp.stack(layers), *states))
+
+
+def stack_layers(state: nnx.State) -> nnx.State:
+    """An unrolled model's state (`layers/<i>/...`) in the scanned layout (`layers/...`, layer i at index
+    i of the leading axis); other variables are shared as they are."""
+    flat, per_layer = {}, {}
+    for path, variable in nnx.to_flat_state(state):
+        if path[0] == "layers":
+            per_layer.setdefault(path[2:], {})[int(path[1])] = variable
+        else:
+            flat[path] = variable
+    for rest, layers in per_layer.items():
+        values = [layers[i].get_value() for i in range(len(layers))]
+        flat[("layers", *rest)] = layers[0].replace(jnp.stack(values))
+    return nnx.from_flat_state(list(flat.items()))
+
+
+def unstack_layers(state: nnx.State) -> nnx.State:
+    """A scanned model's state in the unrolled layout: the inverse of `stack_layers`."""
+    flat = {}
+    for path, variable in nnx.to_flat_state(state):
+        if path[0] != "layers" or isinstance(path[1], int):  # not a layer, or already one layer's
+            flat[path] = variable
+            continue
+        stacked = variable.get_value()
+        for i in range(stacked.shape[0]):
+            flat[("layers", i, *path[1:])] = variable.replace(stacked[i])
+    return nnx.from_flat_state(list(flat.items()))
+
+
 # ---------------------------------------------------------------------------- the decoder
 class Transformer(nnx.Module):
     """Decoder-only language model; see the module docstring for the calling convention."""
@@ -266,7 +381,9 @@ class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed = Embed(config, rngs)
-        self.layers = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
+        blocks = [Block(config, rngs) for _ in range(config.num_layers)]
+        # Scanned: the same blocks (the same initialisation) stacked into one with a leading layer axis.
+        self.layers = stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
         self.final_norm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=config.jnp_dtype,
             param_dtype=config.jnp_param_dtype,
@@ -299,11 +416,17 @@ class Transformer(nnx.Module):
                 config.attention, t, config.jnp_dtype, dense_max_len=config.attention_dense_max_len)
         x = constrain_rows(self.embed(tokens).astype(config.jnp_dtype))
         cos, sin = rope_tables(config, positions)
+        run = self._scan_blocks if config.scan_layers else self._unrolled_blocks
+        x, cache = run(x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation)
+        return constrain_rows(self.final_norm(x)), cache
+
+    def _unrolled_blocks(self, x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation):
+        """The reference path: one block after the other, each with its own cache arrays."""
         def run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start):
             return block(x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation)
 
-        if config.remat != "none" and cache is None:  # only a differentiated forward pass needs it
-            run_block = nnx.remat(run_block, policy=config.remat_policy)
+        if self.config.remat != "none" and cache is None:  # only a differentiated forward pass needs it
+            run_block = nnx.remat(run_block, policy=self.config.remat_policy)
         new_k, new_v = [], []
         for i, block in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
@@ -313,7 +436,34 @@ class Transformer(nnx.Module):
                 new_v.append(kv[1])
         if cache is not None:
             cache = KVCache(k=tuple(new_k), v=tuple(new_v))
-        return constrain_rows(self.final_norm(x)), cache
+        return x, cache
+
+    def _scan_blocks(self, x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation):
+        """The scanned path: one `lax.scan` over the stacked block parameters. The hidden state and the
+        whole cache (viewed [B, Hkv, L, ...]) ride in the carry; layer i writes and reads its slice."""
+        config = self.config
+        graphdef, params = nnx.split(self.layers)
+        n, heads = config.num_layers, config.num_kv_heads
+
+        def body(carry, xs):
+            x, kv = carry
+            layer_params, i = xs
+            block = nnx.merge(graphdef, layer_params)
+            x, kv = block(x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation,
+                          None if kv is None else i)
+            return (x, kv), None
+
+        if config.remat != "none" and cache is None:  # the policy applies to the scanned body
+            body = jax.checkpoint(body, policy=config.remat_policy, prevent_cse=False)
+        kv = None
+        if cache is not None:
+            (k,), (v,) = cache.k, cache.v
+            b, _, dim, slots = k.shape
+            kv = (k.reshape(b, heads, n, dim, slots), v.reshape(b, heads, n, slots, dim))
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (params, jnp.arange(n, dtype=jnp.int32)))
+        if cache is not None:
+            cache = KVCache(k=(kv[0].reshape(k.shape),), v=(kv[1].reshape(v.shape),))
+        return x, cache
 
     def head_weight(self) -> jax.Array:
         """The output projection [H,V] in the compute dtype (the embedding transposed when tied)."""
@@ -346,9 +496,15 @@ def _check_call(config: ModelConfig, b: int, t: int, segment_ids, cache, cache_i
     if cache is not None:
         if cache_index is None:
             raise ValueError("cache_index is required when a cache is given")
-        if cache.num_layers != config.num_layers or cache.batch_size != b:
+        layers = cache.num_layers(config.num_kv_heads)
+        if layers != config.num_layers or cache.batch_size != b:
             raise ValueError(
-                f"the cache has {cache.num_layers} layers and {cache.batch_size} rows, "
+                f"the cache has {layers} layers and {cache.batch_size} rows, "
                 f"expected {config.num_layers} layers and {b} rows"
             )
+        if len(cache.k) != (1 if config.scan_layers else config.num_layers):
+            want, have = ("stacked", "per-layer") if config.scan_layers else ("per-layer", "stacked")
+            raise ValueError(f"the cache holds {have} arrays but the model (scan_layers="
+                             f"{config.scan_layers}) needs {want} ones: build it with init_cache(config, "
+                             "...)")
 

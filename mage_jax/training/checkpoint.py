@@ -140,6 +140,22 @@ def _mismatch(saved: Mapping[str, Any], wanted: Mapping[str, list[Any]]) -> str 
     return None
 
 
+def _layout_hint(saved: Mapping[str, Any], template: Any) -> str:
+    """When the two states keep the decoder blocks in different layouts (one block per layer, or one
+    stacked block: ``ModelConfig.scan_layers``), say so."""
+    def per_layer(paths: Any) -> bool | None:
+        paths = [p for p in paths if "['layers']" in p]
+        return None if not paths else any(p.split("['layers']", 1)[1].startswith("[") and
+                                          p.split("['layers']", 1)[1][1:2].isdigit() for p in paths)
+
+    have, want = per_layer(saved), per_layer(state_signature(template))
+    if have is None or want is None or have == want:
+        return ""
+    saved_layout, this_layout = ("unrolled", "scanned") if have else ("scanned", "unrolled")
+    return (f" (its decoder blocks are {saved_layout}, this run's are {this_layout}: ModelConfig.scan_layers "
+            f"differs, and a checkpoint restores only in the layout it was saved in)")
+
+
 def meta_digest(meta: Mapping[str, Any]) -> str:
     """CRC-32 of the canonical JSON of the metadata (what a JSON round trip preserves)."""
     text = json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=True)
@@ -302,7 +318,7 @@ class Checkpointer:
         if difference is not None:
             raise CheckpointMismatch(
                 f"checkpoint step {step} in {self.directory} does not fit this run's model / optimizer: "
-                f"{difference}; resume with the config it was saved with")
+                f"{difference}; resume with the config it was saved with{_layout_hint(saved, template)}")
         try:
             restored = self._reader.restore(
                 step,

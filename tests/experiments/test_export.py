@@ -12,6 +12,7 @@ from flax import nnx
 
 from experiments import export, kuhn_poker
 from mage_jax import config as C
+from mage_jax.models.config import ModelConfig
 from mage_jax.models.hf_loading import load_hf_params
 from mage_jax.training import trainer as trainer_module
 from mage_jax.training.assemble import best_checkpoint_dir, build_parts, checkpoint_dir
@@ -51,7 +52,9 @@ def _restored(run_dir, directory_of, step=None):
 
 
 def _exported(out):
-    return jax.tree.leaves(load_hf_params(out)[2])
+    """The exported folder's weights in the unrolled layout the tiny run trained with (a folder's model
+    scans its blocks by default: stacked [L, ...] leaves)."""
+    return jax.tree.leaves(load_hf_params(out, ModelConfig.from_hf_dir(out, scan_layers=False))[2])
 
 
 def test_export_loads_in_transformers_with_the_same_tokens_logits_and_stop_ids(trained_run, tmp_path, capsys):

@@ -67,6 +67,36 @@ def test_extrapolation_is_linear_in_layers():
     assert plan.extrapolate(hi, hi, 2) == {"peak": 12.5, "temp": 4.5}  # compiled at full depth
 
 
+def test_a_scanned_model_is_compiled_at_full_depth_and_an_unrolled_one_extrapolated():
+    from mage_jax.models.config import ModelConfig
+
+    assert plan.compiled_depths(ModelConfig.preset("qwen3-0.6b")) == [28]  # pretrained presets scan
+    assert plan.compiled_depths(ModelConfig.preset("tiny", num_layers=9)) == [3, 6]
+    assert plan.compiled_depths(ModelConfig.preset("qwen3-0.6b"), (3, 6)) == [3, 6]  # --layers 3 6
+    assert plan.compiled_depths(ModelConfig.preset("tiny", num_layers=4)) == [3, 4]
+
+
+def test_the_full_depth_compile_of_a_scanned_model_agrees_with_the_extrapolation():
+    # The tiny preset at 9 scanned layers, one device: each program's bytes compiled at 9 layers against
+    # the 3 + 6 layer extrapolation (docs/scaling.md records the same comparison for Kuhn Poker small).
+    cfg = plan.preset_config("kuhn_poker", "tiny", {
+        "model.overrides": {"num_layers": 9, "scan_layers": True, "remat": "full"}})
+    rows, length = cfg.optim.mini_batch_rows, 64
+    measured = {}
+    for depth in (3, 6, 9):
+        setup = plan.make_setup(cfg, 1, num_layers=depth)
+        assert setup.model_config.scan_layers
+        measured[depth] = {  # the largest program of a training iteration (activations of every block)
+            "train_grads": plan.ProgramMemory.of(plan.compile_train_grads(setup, rows, length)).as_dict(),
+        }
+    for name in measured[3]:
+        guess = plan.extrapolate((3, measured[3][name]), (6, measured[6][name]), 9)
+        full = measured[9][name]
+        assert full["argument"] > measured[3][name]["argument"]  # the depth is really there
+        for key in ("argument", "output", "peak"):
+            assert guess[key] == pytest.approx(full[key], rel=0.05), (name, key, guess, full)
+
+
 def _synthetic_plan(*, state: float, extra: dict[str, float], devices: int = 8) -> dict:
     programs = {name: {"rows": 64, "length": 12288, "flops": 1e15, "extra": e, "need": state + e}
                 for name, e in extra.items()}

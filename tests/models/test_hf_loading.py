@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from mage_jax.models.config import ModelConfig
 from mage_jax.models.hf_loading import export_hf, hf_name_map, load_hf_model, load_hf_params
 from tests.optional import require
 
@@ -116,10 +117,15 @@ def test_bfloat16_checkpoint_loads_into_float32_and_bfloat16(hf_checkpoint, left
 
 def test_every_parameter_has_exactly_one_hugging_face_name(hf_checkpoint):
     folder, hf_model = hf_checkpoint("qwen2", False)
-    config, _, state = load_hf_params(folder)
+    config, _, state = load_hf_params(folder, ModelConfig.from_hf_dir(folder, scan_layers=False))
     names = hf_name_map(config)
     assert len({n for n, _ in names.values()}) == len(names) == len(jax.tree.leaves(state))
     assert {n for n, _ in names.values()} == set(hf_model.state_dict())
+    # Scanned: each stacked block parameter [L, ...] stands for the L names of its layers.
+    config, _, stacked = load_hf_params(folder)
+    assert config.scan_layers
+    assert sum(leaf.shape[0] if path[0].key == "layers" else 1
+               for path, leaf in jax.tree_util.tree_flatten_with_path(stacked)[0]) == len(names)
 
 
 def test_missing_tensor_is_named(hf_checkpoint, tmp_path):

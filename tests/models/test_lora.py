@@ -99,7 +99,8 @@ def test_hf_loading_adds_fresh_adapters_and_export_merges_them_with_matching_hf_
                                                                                          "up_proj"))
     config, graphdef, state = load_hf_params(folder, config, lora_seed=3)
     adapters, base = lora.split_adapters(state)
-    assert len(jax.tree.leaves(adapters)) == 2 * 3 * config.num_layers
+    assert config.scan_layers  # a folder's model scans its blocks: one stacked adapter per projection
+    assert [a.shape[0] for a in jax.tree.leaves(adapters)] == [config.num_layers] * 2 * 3
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(base)):  # the base is the folder's weights
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     tokens, mask, positions = left_padded_batch

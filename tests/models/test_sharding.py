@@ -106,7 +106,7 @@ _SCRIPT = textwrap.dedent(
     import json, sys
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
-    from mage_jax.models import positions_from_mask
+    from mage_jax.models import ModelConfig, positions_from_mask
     from mage_jax.models.hf_loading import load_hf_params
     from mage_jax.models.sharding import (MeshConfig, batch_sharding, cache_sharding, init_sharded, make_mesh,
                                           opt_state_shardings, shard_state)
@@ -123,12 +123,13 @@ _SCRIPT = textwrap.dedent(
         hidden, _ = m(tokens, positions_from_mask(mask), mask)
         return m.logits(hidden)
 
-    config, graphdef, state = load_hf_params(path)
+    unrolled = ModelConfig.from_hf_dir(path, scan_layers=False)  # tests/models/test_scan_layers.py: scanned
+    config, graphdef, state = load_hf_params(path, unrolled)
     ref = np.asarray(jax.jit(logits, static_argnums=0)(graphdef, state, tokens, mask))
     out = {}
     for name, mesh_cfg in [("data2_fsdp2_tensor2", MeshConfig(2, 2, 2)), ("fsdp8", MeshConfig(1, 8, 1))]:
         mesh = make_mesh(mesh_cfg)
-        _, _, sharded = load_hf_params(path, mesh=mesh)
+        _, _, sharded = load_hf_params(path, unrolled, mesh=mesh)
         rows = batch_sharding(mesh)
         got = jax.jit(logits, static_argnums=0)(graphdef, sharded, jax.device_put(tokens, rows),
                                                  jax.device_put(mask, rows))

@@ -29,10 +29,12 @@ def _forward(model: Transformer, tokens, mask, positions) -> np.ndarray:
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_fp32_logits_match_hugging_face_on_left_padded_batch(hf_checkpoint, left_padded_batch, arch, tie):
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_fp32_logits_match_hugging_face_on_left_padded_batch(hf_checkpoint, left_padded_batch, arch, tie,
+                                                              scan):
     folder, hf_model = hf_checkpoint(arch, tie)
     tokens, mask, positions = left_padded_batch
-    model = load_hf_model(folder)
+    model = load_hf_model(folder, ModelConfig.from_hf_dir(folder, scan_layers=scan))
     assert model.config.architecture == arch and model.config.tie_word_embeddings == tie
     ours = _forward(model, tokens, mask, positions)
     ref = hf_logits(hf_model, tokens, mask, positions)
@@ -55,10 +57,12 @@ def test_llama3_rope_scaling_matches_at_large_positions(hf_checkpoint, left_padd
     assert np.abs(_forward(plain, tokens, mask, positions) - ours)[mask].max() > 1e-2
 
 
-def test_cached_prefill_then_step_by_step_decoding_equals_full_forward(hf_checkpoint, left_padded_batch):
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_cached_prefill_then_step_by_step_decoding_equals_full_forward(hf_checkpoint, left_padded_batch,
+                                                                       scan):
     folder, _ = hf_checkpoint("qwen3", False)
     tokens, mask, positions = left_padded_batch
-    model = load_hf_model(folder)
+    model = load_hf_model(folder, ModelConfig.from_hf_dir(folder, scan_layers=scan))
     graphdef, state = nnx.split(model)
     full = _forward(model, tokens, mask, positions)
 
@@ -77,12 +81,16 @@ def test_cached_prefill_then_step_by_step_decoding_equals_full_forward(hf_checkp
     b, t = tokens.shape
     max_len, prefill = 16, 6
     cache = init_cache(model.config, b, max_len, jnp.float32)
-    assert [a.shape for a in cache.k] == [(b, 2, 16, max_len)] * 2  # per layer [B,Hkv,D,S]
-    assert [a.shape for a in cache.v] == [(b, 2, max_len, 16)] * 2  # per layer [B,Hkv,S,D]
+    if scan:  # one array each, the 2 layers folded into the 2 kv heads: [B, Hkv*L, D, S], [B, Hkv*L, S, D]
+        assert [a.shape for a in cache.k] == [(b, 4, 16, max_len)]
+        assert [a.shape for a in cache.v] == [(b, 4, max_len, 16)]
+    else:
+        assert [a.shape for a in cache.k] == [(b, 2, 16, max_len)] * 2  # per layer [B,Hkv,D,S]
+        assert [a.shape for a in cache.v] == [(b, 2, max_len, 16)] * 2  # per layer [B,Hkv,S,D]
     logits, cache = fill(state, tokens[:, :prefill], positions[:, :prefill], mask[:, :prefill], cache)
     expected = np.broadcast_to(np.arange(max_len) < prefill, (b, max_len))
     for layer in range(2):  # prefill wrote exactly slots 0..prefill-1 of every layer
-        for kv in map(np.asarray, cache.layer(layer)):
+        for kv in map(np.asarray, cache.layer(layer, num_kv_heads=2)):
             assert kv.shape == (b, max_len, 2, 16)
             np.testing.assert_array_equal(np.abs(kv).sum(axis=(2, 3)) > 0, expected)
     chunks = [np.asarray(logits)]

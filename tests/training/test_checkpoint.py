@@ -266,3 +266,31 @@ def test_a_directory_written_before_checksums_restores_unverified_with_one_warni
         _, meta = ckpt.restore(big_state(0.0))
     assert meta == {"iteration": 5}
     assert "skipped damaged checkpoint step 6 (its checksums are missing" in capsys.readouterr().err
+
+
+def test_a_scanned_models_stacked_state_round_trips_and_the_other_layout_says_how_to_resume(tmp_path):
+    import dataclasses
+
+    from flax import nnx
+
+    from mage_jax.models.config import ModelConfig
+    from mage_jax.models.transformer import Transformer
+
+    def model_state(scan: bool, seed: int) -> TrainState:
+        config = ModelConfig.preset("tiny", vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=2,
+                                    num_heads=2, num_kv_heads=1, head_dim=8)
+        params = nnx.state(Transformer(dataclasses.replace(config, scan_layers=scan), rngs=nnx.Rngs(seed)))
+        return TrainState(params=params, opt_state=optax.adamw(1e-3).init(params), step=jnp.int32(seed))
+
+    saved = model_state(True, 1)
+    with Checkpointer(str(tmp_path / "scanned"), keep=1) as ckpt:
+        ckpt.save(1, saved, {"iteration": 1})
+    with Checkpointer(str(tmp_path / "scanned"), keep=1) as ckpt:
+        restored, _ = ckpt.restore(model_state(True, 0))
+    assert restored.params["layers"]["attn"]["q_proj"]["kernel"].shape == (2, 16, 16)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with Checkpointer(str(tmp_path / "scanned"), keep=1) as ckpt, pytest.raises(CheckpointMismatch) as info:
+        ckpt.restore(model_state(False, 0))
+    hint = "(its decoder blocks are scanned, this run's are unrolled: ModelConfig.scan_layers differs"
+    assert hint in str(info.value) and "\n" not in str(info.value)

@@ -1,0 +1,350 @@
+"""Specification of the scanned decoder (``ModelConfig.scan_layers``): the blocks run under one
+``lax.scan`` over stacked parameters, so a program holds one block whatever the depth, and it gives the
+unrolled reference path's outputs, caches, gradients, LoRA adapters, Hugging Face round trips and
+greedy generations on the same weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.step import KEY_PATH_LEN, SamplingParams
+from mage_jax.models import lora
+from mage_jax.models.config import ModelConfig
+from mage_jax.models.hf_loading import export_hf, load_hf_params
+from mage_jax.models.transformer import Transformer, init_cache, stack_layers, unstack_layers
+
+from .conftest import hf_logits
+
+CONFIG = ModelConfig.preset("tiny", vocab_size=64, num_layers=3, hidden_size=64, intermediate_size=96)
+TIGHT = dict(atol=2e-5, rtol=2e-5)  # float32: only the order of the same operations differs
+
+
+def _graphdef(config: ModelConfig) -> nnx.GraphDef:
+    return nnx.graphdef(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+
+
+def _pair(config: ModelConfig = CONFIG, seed: int = 0):
+    """(unrolled graphdef, state), (scanned graphdef, state): the same random weights (LoRA B included,
+    so adapters matter) in both layouts."""
+    unrolled = dataclasses.replace(config, scan_layers=False)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(unrolled, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+    state = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.2, a.shape), a.dtype), abstract)
+    return (graphdef, state), (_graphdef(dataclasses.replace(config, scan_layers=True)), stack_layers(state))
+
+
+def _assert_trees_close(a, b, **tol) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol)
+
+
+def _batch(rows: int = 3, length: int = 10, vocab: int = 64):
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, vocab, size=(rows, length)).astype(np.int32)
+    mask = np.ones_like(tokens, bool)
+    mask[0, :3] = False  # a left-padded row
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+    return tokens, mask, positions
+
+
+# ------------------------------------------------------------------------------ layout
+def test_scanned_parameters_are_the_unrolled_initialisation_stacked_on_a_layer_axis():
+    unrolled = nnx.state(Transformer(dataclasses.replace(CONFIG, scan_layers=False), rngs=nnx.Rngs(0)))
+    scanned = nnx.state(Transformer(dataclasses.replace(CONFIG, scan_layers=True), rngs=nnx.Rngs(0)))
+    assert scanned["layers"]["attn"]["q_proj"]["kernel"].shape == (3, 64, 4 * 32)
+    assert scanned["layers"]["input_norm"]["scale"].shape == (3, 64)
+    assert scanned["embed"]["embedding"].shape == (64, 64)  # only the blocks are stacked
+    _assert_trees_close(stack_layers(unrolled), scanned, atol=0, rtol=0)
+    _assert_trees_close(unstack_layers(scanned), unrolled, atol=0, rtol=0)
+
+
+def _program_size(config: ModelConfig) -> int:
+    """Matrix products written in the jaxpr of a decode step (a scan's body is written once)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+
+    def step(state, cache):
+        m = nnx.merge(graphdef, state)
+        return m(jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32), cache=cache, cache_index=3,
+                 kv_start=jnp.zeros(2, jnp.int32))
+
+    cache = jax.eval_shape(lambda: init_cache(config, 2, 8))
+    return str(jax.make_jaxpr(step)(state, cache)).count("dot_general")
+
+
+def test_a_scanned_program_holds_one_block_whatever_the_depth():
+    sizes = {(scan, n): _program_size(dataclasses.replace(CONFIG, num_layers=n, scan_layers=scan))
+             for scan in (False, True) for n in (2, 6)}
+    assert sizes[True, 2] == sizes[True, 6] >= 7  # q, k, v, o, gate, up, down (+ attention, head)
+    assert sizes[False, 6] - sizes[False, 2] >= 4 * 7  # unrolled: every layer's block written out
+
+
+# ------------------------------------------------------------------------------ outputs and caches
+def _outputs(graphdef, state, tokens, mask, positions, prefill: int = 6, max_len: int = 16):
+    """Self-attention logits; logits of a prefill and of decode steps (one write position for every row,
+    then one per row, the last row's past the cache); the cache of every layer [B, S, Hkv, D]."""
+    b, t = tokens.shape
+    config = nnx.merge(graphdef, state).config
+
+    @jax.jit
+    def forward(state, tokens, positions, mask):
+        m = nnx.merge(graphdef, state)
+        return m.logits(m(tokens, positions, mask)[0])
+
+    @jax.jit
+    def fill(state, tokens, positions, mask, cache):
+        m = nnx.merge(graphdef, state)
+        hidden, cache = m(tokens, positions, mask, cache, 0)
+        return m.logits(hidden), cache
+
+    @functools.partial(jax.jit, donate_argnums=4)
+    def decode(state, tokens, positions, kv_start, cache, index):
+        m = nnx.merge(graphdef, state)
+        hidden, cache = m(tokens, positions, cache=cache, cache_index=index, kv_start=kv_start)
+        return m.logits(hidden), cache
+
+    full = forward(state, tokens, positions, mask)
+    logits, cache = fill(state, tokens[:, :prefill], positions[:, :prefill], mask[:, :prefill],
+                         init_cache(config, b, max_len))
+    steps = [logits]
+    kv_start = jnp.asarray(np.argmax(mask, axis=1), jnp.int32)
+    for i in range(prefill, t):
+        step = (tokens[:, i:i + 1], positions[:, i:i + 1])
+        logits, cache = decode(state, *step, kv_start, cache, jnp.int32(i))
+        steps.append(logits)
+    index = jnp.asarray([t, t + 2, max_len], jnp.int32)
+    logits, cache = decode(state, tokens[:, :1], positions[:, -1:] + 1, kv_start, cache, index)
+    steps.append(logits)
+    layers = [tuple(map(np.asarray, cache.layer(i, config.num_kv_heads))) for i in range(config.num_layers)]
+    return np.asarray(full), np.concatenate(steps, axis=1), layers
+
+
+def test_self_attention_prefill_and_decode_equal_the_unrolled_path():
+    tokens, mask, positions = _batch()
+    t = tokens.shape[1]
+    (full, steps, layers), (full_s, steps_s, layers_s) = (_outputs(g, s, tokens, mask, positions)
+                                                          for g, s in _pair())
+    np.testing.assert_allclose(full_s[mask], full[mask], **TIGHT)
+    np.testing.assert_allclose(steps_s, steps, **TIGHT)
+    np.testing.assert_allclose(steps[:, :t][mask], full[mask], atol=1e-5)  # the cache is right at all
+    _assert_trees_close(layers_s, layers, **TIGHT)
+    written = np.abs(layers[0][0]).sum(axis=(2, 3)) > 0  # [B, S]: slots holding a key
+    assert written[1, t + 2] and not written[1, t + 1] and not written[2, t:].any()
+
+
+@pytest.mark.parametrize("index", [jnp.int32(5), jnp.arange(8, dtype=jnp.int32) + 5],
+                         ids=["one position", "one per row"])
+def test_the_scanned_decode_updates_a_donated_cache_in_place(index):
+    _, (graphdef, state) = _pair()
+    config = nnx.merge(graphdef, state).config
+    cache = init_cache(config, 8, 512)
+
+    def decode(state, cache, index):
+        m = nnx.merge(graphdef, state)
+        tokens = jnp.zeros((8, 1), jnp.int32)
+        return m(tokens, tokens + 5, cache=cache, cache_index=index, kv_start=jnp.zeros(8, jnp.int32))
+
+    step = jax.jit(decode, donate_argnums=1)
+    memory = step.lower(state, cache, index).compile().memory_analysis()
+    cache_bytes = sum(a.nbytes for a in jax.tree.leaves(cache))
+    assert memory.alias_size_in_bytes == cache_bytes  # the updated cache lives in the donated buffers
+    assert memory.temp_size_in_bytes < cache_bytes / 2  # no copy of the whole cache (one layer's read)
+    before = cache.k[0].unsafe_buffer_pointer()
+    _, cache = step(state, cache, index)
+    assert cache.k[0].unsafe_buffer_pointer() == before
+
+
+def test_a_cache_of_the_other_layout_is_a_clear_error():
+    config = dataclasses.replace(CONFIG, scan_layers=True, num_layers=2, num_kv_heads=2)
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    per_layer = jax.eval_shape(lambda: init_cache(dataclasses.replace(config, scan_layers=False), 2, 8))
+    tokens = jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ValueError, match=r"per-layer arrays but the model \(scan_layers=True\) needs stacked"
+                       ):
+        model(tokens, tokens, jnp.ones((2, 3), bool), per_layer, 0)
+
+
+# ------------------------------------------------------------------------------ gradients, remat, LoRA
+def _masked_square_loss(graphdef, state, tokens, mask, positions):
+    m = nnx.merge(graphdef, state, copy=True)
+    hidden, _ = m(tokens, positions, mask)
+    return jnp.mean(jnp.where(mask[..., None], m.logits(hidden), 0.0) ** 2)
+
+
+@pytest.mark.parametrize("remat", ["none", "dots_with_no_batch_dims_saveable"])  # "full": the LoRA test
+def test_gradients_equal_the_unrolled_path_with_remat_on_the_scanned_body(remat):
+    batch = _batch()
+    (graphdef, state), (graphdef_s, state_s) = _pair(dataclasses.replace(CONFIG, remat=remat))
+    value_and_grad = jax.jit(jax.value_and_grad(_masked_square_loss, argnums=1), static_argnums=0)
+    value, grad = value_and_grad(graphdef, state, *batch)
+    value_s, grad_s = value_and_grad(graphdef_s, state_s, *batch)
+    jaxpr = str(jax.make_jaxpr(_masked_square_loss, static_argnums=0)(graphdef_s, state_s, *batch))
+    assert ("remat" in jaxpr or "checkpoint" in jaxpr) == (remat != "none") and "scan" in jaxpr
+    np.testing.assert_allclose(value_s, value, rtol=1e-6)
+    _assert_trees_close(grad_s, stack_layers(grad), **TIGHT)
+    assert np.abs(grad_s["layers"]["mlp"]["up_proj"]["kernel"]).max() > 1e-4  # not vanishing
+
+
+def _adapter_loss(graphdef, adapters, base, tokens, mask, positions):
+    return _masked_square_loss(graphdef, nnx.merge_state(base, adapters), tokens, mask, positions)
+
+
+def test_lora_adapters_are_stacked_and_adapter_only_gradients_equal_the_unrolled_path():
+    batch = _batch()
+    config = dataclasses.replace(CONFIG, lora_rank=4, lora_alpha=8.0, lora_targets=("q_proj", "down_proj"),
+                                 remat="full")
+    adapter_grad = jax.jit(jax.grad(_adapter_loss, argnums=1), static_argnums=0)
+    results = []
+    for graphdef, state in _pair(config):
+        adapters, base = lora.split_adapters(state)
+        results.append((adapter_grad(graphdef, adapters, base, *batch),
+                        lora.merge_adapters(state, config.lora_scale)))
+    (grad, merged), (grad_s, merged_s) = results
+    adapters_s = lora.split_adapters(_pair(config)[1][1])[0]
+    assert adapters_s["layers"]["attn"]["q_proj"]["lora"]["lora_a"].shape == (3, 64, 4)
+    assert adapters_s["layers"]["mlp"]["down_proj"]["lora"]["lora_b"].shape == (3, 4, 64)
+    assert len(jax.tree.leaves(grad_s)) == 4  # gradients of the adapters only
+    _assert_trees_close(grad_s, stack_layers(grad), **TIGHT)
+    _assert_trees_close(merged_s, stack_layers(merged), atol=1e-6, rtol=1e-6)  # export folds them per layer
+
+
+# ------------------------------------------------------------------------------ Hugging Face folders
+def test_hugging_face_import_into_the_stacked_layout_and_export_round_trip(hf_checkpoint, left_padded_batch,
+                                                                           tmp_path):
+    folder, hf_model = hf_checkpoint("qwen3", False)
+    config, graphdef, state = load_hf_params(folder)
+    assert config.scan_layers  # a folder's model scans its blocks by default
+    assert state["layers"]["mlp"]["down_proj"]["kernel"].shape == (2, 128, 64)
+    unrolled = load_hf_params(folder, dataclasses.replace(config, scan_layers=False))[2]
+    _assert_trees_close(state, stack_layers(unrolled), atol=0, rtol=0)  # layer i at index i
+    tokens, mask, positions = left_padded_batch
+    m = nnx.merge(graphdef, state)
+    ours = np.asarray(m.logits(m(tokens, positions, mask)[0]))
+    np.testing.assert_allclose(ours[mask], hf_logits(hf_model, tokens, mask, positions)[mask], atol=1e-4,
+                               rtol=1e-4)
+
+    export_hf(state, config, tmp_path / "export")
+    original, exported = load_file(os.path.join(folder, "model.safetensors")), load_file(
+        tmp_path / "export" / "model.safetensors")
+    assert sorted(exported) == sorted(original)  # one tensor per layer, under Hugging Face's names
+    for name, tensor in original.items():
+        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
+
+
+# ------------------------------------------------------------------------------ greedy generation
+def test_greedy_generation_equals_the_unrolled_path_in_the_sampler_and_the_engine():
+    (graphdef, state), (graphdef_s, state_s) = _pair(dataclasses.replace(CONFIG, num_layers=2), seed=2)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [5, 6, 7], [20, 21, 22, 23, 24]]  # one prompt twice
+    params = SamplingParams(greedy=True, max_new_tokens=6)
+    outputs = []
+    for g, s in ((graphdef, state), (graphdef_s, state_s)):
+        sampler = Sampler(g, nnx.merge(g, s).config, eos_ids=[3], pad_id=0, prompt_buckets=(8,),
+                          batch_buckets=(4,))
+        lockstep = sampler.generate(s, prompts, params, jax.random.key(0))
+        engine = RolloutEngine(sampler, slots=2, max_new_tokens=6, chunk=2)
+        requests = [EngineRequest(tag=i, prompt_ids=tuple(p), limit=6, automaton=None,
+                                  key_path=(i,) + (0,) * (KEY_PATH_LEN - 1)) for i, p in enumerate(prompts)]
+        results = generate_all(engine.session(s, params, jax.random.key(0)), requests)
+        outputs.append(([list(t) for t in lockstep.tokens], [list(results[i].tokens) for i in range(4)]))
+        assert engine.last_stats.prefill_rows == 3  # the repeated prompt's keys and values were copied
+    assert outputs[1] == outputs[0]
+    assert outputs[0][0] == outputs[0][1]  # and the engine gives the lockstep tokens
+    assert sum(map(len, outputs[0][0])) > 6  # tokens were generated
+
+
+# ------------------------------------------------------------------------------ sharding
+_SHARDED = textwrap.dedent(
+    """
+    import dataclasses, json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from mage_jax.models import ModelConfig, init_cache, lora, positions_from_mask
+    from mage_jax.models.hf_loading import load_hf_params
+    from mage_jax.models.sharding import MeshConfig, batch_sharding, cache_sharding, make_mesh
+
+    path = sys.argv[1]
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 128, size=(8, 12)).astype(np.int32)
+    tokens[::2, :3] = 0
+    mask = tokens != 0
+    positions = positions_from_mask(mask)
+
+    def run(graphdef, state, tokens, positions, mask, cache):
+        m = nnx.merge(graphdef, state)
+        hidden, cache = m(tokens[:, :8], positions[:, :8], mask[:, :8], cache, 0)
+        out = [m.logits(hidden)]
+        for i in range(8, 12):
+            hidden, cache = m(tokens[:, i:i + 1], positions[:, i:i + 1], cache=cache, cache_index=i,
+                              kv_start=jnp.argmax(mask, axis=1).astype(jnp.int32))
+            out.append(m.logits(hidden))
+        return jnp.concatenate(out, axis=1)
+
+    def grads(graphdef, state, tokens, positions, mask):
+        adapters, base = lora.split_adapters(state)
+        def loss(adapters):
+            m = nnx.merge(graphdef, nnx.merge_state(base, adapters), copy=True)
+            return jnp.mean(jnp.where(mask[..., None], m.logits(m(tokens, positions, mask)[0]), 0.0) ** 2)
+        return jax.grad(loss)(adapters)
+
+    config = dataclasses.replace(ModelConfig.from_hf_dir(path), lora_rank=4, remat="full")
+    assert config.scan_layers
+    unrolled = dataclasses.replace(config, scan_layers=False)
+    graphdef_u, state_u = load_hf_params(path, unrolled, lora_seed=1)[1:]
+    state_u = jax.tree.map(lambda a: a + 0.05, state_u)  # non-zero adapters B
+    from mage_jax.models.transformer import stack_layers
+    ref = np.asarray(jax.jit(run, static_argnums=0)(graphdef_u, state_u, tokens, positions, mask,
+                                                    init_cache(unrolled, 8, 16)))
+    ref_grads = jax.jit(grads, static_argnums=0)(graphdef_u, state_u, tokens, positions, mask)
+    ref_grads = [np.asarray(g) for g in jax.tree.leaves(stack_layers(ref_grads))]
+
+    mesh = make_mesh(MeshConfig(2, 2, 2))
+    _, graphdef, sharded = load_hf_params(path, config, mesh=mesh, lora_seed=1)
+    stacked = stack_layers(state_u)
+    sharded = jax.tree.map(lambda s, u: jax.device_put(u, s.sharding), sharded, stacked)
+    rows = batch_sharding(mesh)
+    cache = jax.device_put(init_cache(config, 8, 16), cache_sharding(config, mesh, 8))
+    with jax.set_mesh(mesh):
+        got = jax.jit(run, static_argnums=0)(graphdef, sharded, *(jax.device_put(x, rows) for x in
+                                             (tokens, positions, mask)), cache)
+        got_grads = jax.jit(grads, static_argnums=0)(graphdef, sharded, *(jax.device_put(x, rows) for x in
+                                                     (tokens, positions, mask)))
+    kernel = sharded["layers"]["attn"]["q_proj"]["kernel"]
+    print("RESULT" + json.dumps({
+        "logits_diff": float(np.abs(np.asarray(got) - ref)[mask].max()),
+        "grad_diff": max(float(np.abs(np.asarray(a) - b).max()) for a, b in zip(jax.tree.leaves(got_grads),
+                                                                               ref_grads)),
+        "kernel_spec": [a for a in kernel.sharding.spec],
+        "kernel_bytes": [kernel.nbytes, max(s.data.nbytes for s in kernel.addressable_shards)],
+        "cache_spec": [list(a) if isinstance(a, tuple) else a for a in cache.k[0].sharding.spec],
+    }))
+    """
+)
+
+
+def test_a_sharded_scanned_model_on_8_devices_matches_the_unrolled_one_on_one(hf_checkpoint):
+    folder, _ = hf_checkpoint("qwen3", False, vocab=128)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _SHARDED, folder], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert result["logits_diff"] < 1e-4 and result["grad_diff"] < 1e-5, result
+    assert result["kernel_spec"] == [None, "fsdp", "tensor"]  # the layer axis is never split
+    total, per_device = result["kernel_bytes"]
+    assert per_device * 4 == total
+    assert result["cache_spec"] == [["data", "fsdp"], "tensor", None, None]  # kv heads (x layers) split
