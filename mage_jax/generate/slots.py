@@ -60,11 +60,10 @@ from mage_jax.generate import shapes
 from mage_jax.generate.sampler import Sampler
 from mage_jax.generate.step import (
     KEY_PATH_LEN,
-    Choice,
+    Sampling,
     SamplingParams,
     prefill,
     row_keys,
-    runtime_values,
     token_step,
 )
 from mage_jax.models.transformer import KVCache, init_cache
@@ -141,8 +140,8 @@ class SlotSampler:
         row_buckets = unique_buckets or shapes.pow2_buckets(self.num_slots)
         self.row_buckets = tuple(sorted({*row_buckets, self.num_slots}))
         self.compile_count = 0
-        self._inserts: dict[Choice, Callable] = {}
-        self._decodes: dict[tuple[Choice, int, int], Callable] = {}
+        self._insert: Callable | None = None
+        self._decodes: dict[tuple[int, int], Callable] = {}
         self._moves: Callable | None = None
         self._empty: dict[int, Callable] = {}
         self._specs: Any = None
@@ -260,17 +259,17 @@ class SlotSampler:
                 lim[w, j] = min(limits[i], self.max_new_tokens)
                 table[w, j] = transitions[i]
                 paths[w, j] = key_paths[i]
-        temperature, top_p = runtime_values(params)
         with self._mesh_context():
-            return self._insert_program(params)(state, slots, tokens, valid, src, donor, base, lens, dst, lim,
-                                                table, paths, key, temperature, top_p)
+            return self._insert_program()(state, slots, tokens, valid, src, donor, base, lens, dst, lim,
+                                          table, paths, key, self._sampling(params))
 
-    def _insert_program(self, params: SamplingParams) -> Callable:
-        static = Choice.of(params, self.sampler.vocab_size)
-        fn = self._inserts.get(static)
-        if fn is None:
-            fn = self._inserts[static] = self._build_insert(static)
-        return fn
+    def _sampling(self, params: SamplingParams) -> Sampling:
+        return Sampling.of(params, self.sampler.vocab_size)
+
+    def _insert_program(self) -> Callable:
+        if self._insert is None:
+            self._insert = self._build_insert()
+        return self._insert
 
     def lower_insert(self, state: Any, params: SamplingParams, *, prompts: int, targets: int,
                      prompt_len: int, num_states: int = 1) -> jax.stages.Lowered:
@@ -282,22 +281,22 @@ class SlotSampler:
         args = (state, self.abstract_slots(num_states), i32((prompts, prompt_len)),
                 jax.ShapeDtypeStruct((prompts, prompt_len), jnp.bool_), *(i32(block) for _ in range(6)),
                 i32(block + (num_states, self.sampler.vocab_size)), i32(block + (KEY_PATH_LEN,)),
-                jax.random.key(0), *runtime_values(params))
+                jax.random.key(0), self._sampling(params))
         with self._mesh_context():
-            return self._insert_program(params).lower(*args)
+            return self._insert_program().lower(*args)
 
     def prompt_bucket(self, prompts: Sequence[Sequence[int]], donors: Sequence[Donor | None]) -> int:
         """The prompt bucket of an insert: it holds the longest prompt and every donor's bucket."""
         longest = max([len(p) for p in prompts] + [d.bucket for d in donors if d is not None])
         return shapes.bucket(longest, self.sampler.prompt_buckets)
 
-    def _build_insert(self, static: Choice) -> Callable:
+    def _build_insert(self) -> Callable:
         sampler = self.sampler
         graphdef, config, pad_id = sampler.graphdef, sampler.config, sampler.pad_id
         eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
 
         def run(state, slots: Slots, tokens, valid, src, donor, base, prompt_lens, dst, limits, table, paths,
-                key, temperature, top_p) -> Slots:
+                key, sampling) -> Slots:
             # Targets arrive by device block ([ways, t]: ``dst`` and ``donor`` index slots inside the block),
             # so every gather and scatter into the slots stays on the device that holds them; the prefill's
             # prompt rows shard over the batch axes (each device prefills rows / ways prompts) and each
@@ -321,8 +320,8 @@ class SlotSampler:
             zeros = jnp.zeros(src.size, jnp.int32)
             done0 = flat(limits <= 0)
             keys = row_keys(key, flat(paths), zeros)
-            drawn = token_step(logits, flat(table), zeros, keys, done0, temperature, top_p, choice=static,
-                               eos_ids=eos_ids, pad_id=pad_id)
+            drawn = token_step(logits, flat(table), zeros, keys, done0, sampling, eos_ids=eos_ids,
+                               pad_id=pad_id)
             token, logp, auto, hit = drawn.token, drawn.logp, drawn.auto, drawn.eos
             length = jnp.where(done0, 0, 1).astype(jnp.int32)
             n = slots.tokens.shape[1]
@@ -484,19 +483,17 @@ class SlotSampler:
         ``bucket``: decode the first ``bucket`` slots of every device's block only (a ``slot_buckets``
         entry; ``ways * bucket`` rows computed per step); every active slot must lie among them.
         None: every slot."""
-        temperature, top_p = runtime_values(params)
         with self._mesh_context():
-            return self._decode_program(params, window, bucket)(state, slots, key, temperature, top_p)
+            return self._decode_program(window, bucket)(state, slots, key, self._sampling(params))
 
-    def _decode_program(self, params: SamplingParams, window: int | None, bucket: int | None) -> Callable:
-        static = Choice.of(params, self.sampler.vocab_size)
+    def _decode_program(self, window: int | None, bucket: int | None) -> Callable:
         window = self.max_len if window is None else int(window)
         bucket = self.local_slots if bucket is None else int(bucket)
         if bucket not in self.slot_buckets:
             raise ValueError(f"slot bucket {bucket} is not one of {self.slot_buckets}")
-        fn = self._decodes.get((static, window, bucket))
+        fn = self._decodes.get((window, bucket))
         if fn is None:
-            fn = self._decodes[static, window, bucket] = self._build_decode(static, window, bucket)
+            fn = self._decodes[window, bucket] = self._build_decode(window, bucket)
         return fn
 
     def lower_decode(self, state: Any, params: SamplingParams, *, window: int | None = None,
@@ -504,16 +501,16 @@ class SlotSampler:
         """The decode program of one chunk (``window`` / ``bucket`` as in ``decode``; None: the whole cache,
         every slot), lowered ahead of time for ``state`` like ``lower_insert``."""
         with self._mesh_context():
-            return self._decode_program(params, window, bucket).lower(
-                state, self.abstract_slots(num_states), jax.random.key(0), *runtime_values(params))
+            return self._decode_program(window, bucket).lower(
+                state, self.abstract_slots(num_states), jax.random.key(0), self._sampling(params))
 
-    def _build_decode(self, static: Choice, window: int, bucket: int) -> Callable:
+    def _build_decode(self, window: int, bucket: int) -> Callable:
         sampler = self.sampler
         graphdef, pad_id, chunk = sampler.graphdef, sampler.pad_id, self.chunk
         eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
         whole = bucket == self.local_slots and window == self.max_len
 
-        def run(state, slots: Slots, key, temperature, top_p):
+        def run(state, slots: Slots, key, sampling):
             self.compile_count += 1
             model = nnx.merge(graphdef, state)
             n = slots.tokens.shape[1]
@@ -532,8 +529,8 @@ class SlotSampler:
                                       cache_index=write, kv_start=s.kv_start)
                 active = ~s.done
                 drawn = token_step(model.logits(hidden)[:, 0], s.transitions, s.auto,
-                                   row_keys(key, s.key_path, s.length), s.done, temperature, top_p,
-                                   choice=static, eos_ids=eos_ids, pad_id=pad_id)
+                                   row_keys(key, s.key_path, s.length), s.done, sampling,
+                                   eos_ids=eos_ids, pad_id=pad_id)
                 token, logp, auto, hit = drawn.token, drawn.logp, drawn.auto, drawn.eos
                 column = jnp.where(active, s.length, n)  # done slots write out of range: dropped
                 length = s.length + active.astype(jnp.int32)
