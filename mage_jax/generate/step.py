@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mage_jax.generate.bank import Bank, bank_rows
 from mage_jax.generate.constraints import allowed_tokens
 from mage_jax.models.transformer import positions_from_mask
 
@@ -221,13 +222,17 @@ class Drawn:
     eos: jax.Array
 
 
-def token_step(logits: jax.Array, transitions: jax.Array | None, auto: jax.Array, key: jax.Array,
-               done: jax.Array, sampling: Sampling, *, eos_ids: jax.Array, pad_id: int) -> Drawn:
-    """Mask ``logits`` [B, V] with each row's automaton state (``transitions`` [B, Q, V]; None:
-    unconstrained), choose a token, advance the automaton and detect EOS. Rows already ``done`` draw
-    ``pad_id`` with log-prob 0 and keep their state. ``key``: one key for the batch, or one per row."""
+def token_step(logits: jax.Array, transitions: jax.Array | tuple[Bank, jax.Array] | None, auto: jax.Array,
+               key: jax.Array, done: jax.Array, sampling: Sampling, *, eos_ids: jax.Array,
+               pad_id: int) -> Drawn:
+    """Mask ``logits`` [B, V] with each row's automaton state (``transitions`` [B, Q, V], or a bank and
+    each row's automaton in it, ``generate.bank``; None: unconstrained), choose a token, advance the
+    automaton and detect EOS. Rows already ``done`` draw ``pad_id`` with log-prob 0 and keep their state.
+    ``key``: one key for the batch, or one per row."""
     allowed = nxt = None
-    if transitions is not None:
+    if isinstance(transitions, tuple):
+        allowed, nxt = bank_rows(*transitions, auto)
+    elif transitions is not None:
         allowed, nxt = allowed_tokens(transitions, auto)
     token, logp = choose_tokens(logits, allowed, key, sampling)
     token = jnp.where(done, pad_id, token)
