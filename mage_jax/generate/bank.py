@@ -21,6 +21,7 @@ automata outgrow them.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import jax
@@ -62,6 +63,12 @@ def factorise(automaton: TokenAutomaton) -> Factored:
     return Factored(default, tokens, t[:, tokens].copy())
 
 
+def _content(f: Factored) -> bytes:
+    """A key equal for automata with equal transitions (their factorisations are equal)."""
+    return b"|".join(np.ascontiguousarray(a).astype(np.int32).tobytes() + str(a.shape).encode()
+                     for a in (f.default, f.tokens, f.table))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Bank:
@@ -93,8 +100,10 @@ class ConstraintBank:
         self.vocab_size = int(vocab_size)
         self._token_column: dict[int, int] = {}
         self._factored: list[Factored] = [factorise(TokenAutomaton.accept_all(self.vocab_size))]
-        self._held: list[TokenAutomaton] = []  # keeps the automata of ``_by_id`` alive (ids stay unique)
-        self._by_id: dict[int, int] = {}
+        self._by_content: dict[bytes, int] = {_content(self._factored[0]): 0}
+        # Automata seen, by id while they live (a policy is built per rollout with new automaton objects
+        # of the same content: the content key maps them to the same index).
+        self._by_id: dict[int, tuple[weakref.ref, int]] = {}
         self._device: Bank | None = None
         self._device_columns: Any = None
         self._columns_sent = -1  # the column count of the uploaded map
@@ -105,20 +114,29 @@ class ConstraintBank:
         """The bank index of ``automaton`` (added when new; None: the accept-all automaton, 0)."""
         if automaton is None:
             return 0
-        found = self._by_id.get(id(automaton))
-        if found is not None:
-            return found
+        seen = self._by_id.get(id(automaton))
+        if seen is not None and seen[0]() is automaton:
+            return seen[1]
         if automaton.vocab_size != self.vocab_size:
             raise ValueError(f"automaton vocabulary {automaton.vocab_size} != model vocabulary "
                              f"{self.vocab_size}")
         factored = factorise(automaton)
-        for token in factored.tokens.tolist():
-            self._token_column.setdefault(token, len(self._token_column) + 1)
-        self._factored.append(factored)
-        self._held.append(automaton)
-        self._by_id[id(automaton)] = len(self._factored) - 1
-        self._device = None
-        return len(self._factored) - 1
+        key = _content(factored)
+        index = self._by_content.get(key)
+        if index is None:
+            for token in factored.tokens.tolist():
+                self._token_column.setdefault(token, len(self._token_column) + 1)
+            self._factored.append(factored)
+            index = self._by_content[key] = len(self._factored) - 1
+            self._device = None
+        ident = id(automaton)
+        self._by_id[ident] = (weakref.ref(automaton, lambda _: self._by_id.pop(ident, None)), index)
+        return index
+
+    @property
+    def num_automata(self) -> int:
+        """Distinct automata in the bank (the accept-all one included)."""
+        return len(self._factored)
 
     @property
     def shape(self) -> tuple[int, int, int]:

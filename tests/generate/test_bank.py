@@ -60,9 +60,13 @@ def test_bank_rows_equal_the_dense_tables_in_every_state():
         got_allowed, got_next = bank_rows(device, jnp.asarray(rules), state)
         np.testing.assert_array_equal(got_allowed, want_allowed)
         np.testing.assert_array_equal(got_next, want_next)
-    # The same automaton object again: the same index, nothing uploaded again.
-    sent = bank.uploaded_bytes
-    assert bank.index(automata[0]) == rules[0] and bank.device() is device and bank.uploaded_bytes == sent
+    # The same automaton again, as the same object or a new one of equal content (a policy is built per
+    # rollout): the same index, nothing uploaded again, the bank does not grow.
+    sent, count = bank.uploaded_bytes, bank.num_automata
+    assert bank.index(automata[0]) == rules[0]
+    assert bank.index(TokenAutomaton(automata[0].transitions.copy())) == rules[0]
+    assert bank.index(TokenAutomaton.accept_all(VOCAB)) == 0
+    assert bank.device() is device and bank.uploaded_bytes == sent and bank.num_automata == count
 
 
 def test_replaying_tokens_through_the_bank_gives_the_train_steps_masks():
