@@ -313,13 +313,13 @@ class SlotSampler:
             self._insert = self._build_insert()
         return self._insert
 
-    def lower_insert(self, state: Any, params: SamplingParams, *, prompts: int, targets: int,
-                     prompt_len: int, bank_shape: tuple[int, int, int] | None = None) -> jax.stages.Lowered:
-        """The insert program of ``prompts`` distinct prompts of ``prompt_len`` tokens into ``targets``
-        slots spread evenly over the device blocks (row buckets), lowered ahead of time for ``state``
-        (arrays or ``ShapeDtypeStruct`` leaves with their shardings); nothing is allocated."""
+    def lower_insert(self, state: Any, params: SamplingParams, *, prompt_len: int,
+                     bank_shape: tuple[int, int, int] | None = None) -> jax.stages.Lowered:
+        """The insert program for the prompt bucket ``prompt_len`` (its one shape: ``insert_rows`` targets
+        per device block and as many prompt rows), lowered ahead of time for ``state`` (arrays or
+        ``ShapeDtypeStruct`` leaves with their shardings) and a bank of ``bank_shape``; nothing is
+        allocated."""
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-        del prompts, targets  # one shape: insert_rows targets per block, as many prompts
         block = (self.ways, self.insert_rows)
         rows = self.insert_rows * self.ways
         args = (state, self.abstract_slots(), i32((rows, prompt_len)),

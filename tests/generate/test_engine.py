@@ -419,7 +419,7 @@ _SHARDED = textwrap.dedent(
         sampler = Sampler(g, deeper, eos_ids=[3], pad_id=0, prompt_buckets=(512,), batch_buckets=(8,),
                           mesh=mesh)
         kernels = RolloutEngine(sampler, slots=16, max_new_tokens=64, chunk=2).kernels
-        insert = kernels.lower_insert(shard_state(s, mesh), params, prompts=16, targets=16, prompt_len=512)
+        insert = kernels.lower_insert(shard_state(s, mesh), params, prompt_len=512)
         out["insert_memory"].append([insert.compile().memory_analysis().temp_size_in_bytes,
                                      sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(
                                          kernels.abstract_slots().cache))])
