@@ -89,16 +89,16 @@ def lower_logprobs(step: TrainStep, params: Any, rows: int, length: int) -> jax.
 
 def lower_rollout(sampler: Sampler, engine: RolloutEngine | None, params: Any,
                   sampling: SamplingParams) -> dict[str, jax.stages.Lowered]:
-    """The rollout's generation programs at their largest shapes, by name: the engine's ``insert``
-    (every slot prefilled from its own prompt of the longest prompt bucket) and ``decode`` (a chunk of
-    every slot over the whole cache); without an engine the ``lockstep`` sampler's largest call."""
+    """The rollout's generation programs at their largest shapes, by name: the engine's ``insert`` (its one
+    shape, ``insert_rows`` slots per device prefilled from prompts of the longest prompt bucket) and
+    ``decode`` (a chunk of every slot over the whole cache); without an engine the ``lockstep`` sampler's
+    largest call."""
     prompt = sampler.prompt_buckets[-1]
     if engine is None:
         rows = sampler.batch_buckets[-1]
         return {"lockstep": sampler.lower(params, sampling, rows=rows, prompt_len=prompt)}
     kernels = engine.kernels
     return {
-        "insert": kernels.lower_insert(params, sampling, prompts=kernels.num_slots, targets=kernels.num_slots,
-                                       prompt_len=prompt),
+        "insert": kernels.lower_insert(params, sampling, prompt_len=prompt),
         "decode": kernels.lower_decode(params, sampling),
     }

@@ -34,10 +34,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from mage_jax.generate.constraints import TokenAutomaton, stack_automata
+from mage_jax.generate.bank import ConstraintBank
+from mage_jax.generate.constraints import TokenAutomaton
 from mage_jax.generate.sampler import Sampler
-from mage_jax.generate.shapes import pow2
-from mage_jax.generate.slots import DEFAULT_SLOT_LEVELS, Donor, Slots, SlotSampler
+from mage_jax.generate.slots import DEFAULT_INSERT_ROWS, DEFAULT_SLOT_LEVELS, Donor, Slots, SlotSampler
 from mage_jax.generate.step import KEY_PATH_LEN, SamplingParams
 from mage_jax.models.sharding import to_host
 
@@ -88,24 +88,47 @@ class EngineStats:
     """Decode steps by the rows their program computed (a slot bucket times the mesh's batch ways)."""
     moves: int = 0
     """Slots moved to pack the running ones into the front of their device's block."""
+    insert_bytes: int = 0
+    """Bytes of the inserts' arguments sent to the device (prompts, per-target fields, automaton indices)."""
+    index_bytes: int = 0
+    """The automaton indices among ``insert_bytes`` (what an insert sends for constraints)."""
+    upload_bytes: int = 0
+    """Bytes of the constraint bank's uploads (token -> column map, tables) when new automata arrived."""
 
     @property
     def useful_decode_fraction(self) -> float:
         return self.decode_tokens / self.decode_row_steps if self.decode_row_steps else 1.0
 
+    @property
+    def bytes_per_insert(self) -> float:
+        """Host -> device bytes per insert: its arguments and its share of the bank's uploads."""
+        return (self.insert_bytes + self.upload_bytes) / self.inserts if self.inserts else 0.0
+
+    @property
+    def constraint_bytes_per_insert(self) -> float:
+        """Constraint bytes per insert: automaton indices and the bank's uploads, amortised."""
+        return (self.index_bytes + self.upload_bytes) / self.inserts if self.inserts else 0.0
+
 
 class RolloutEngine:
-    """Built once per run (its compiled programs live as long as it does); ``session`` per rollout.
+    """Built once per run; ``session`` per rollout. Its compiled programs are the process's
+    (``SlotSampler.shared``): another engine of the same model and shapes, in this run or the next one
+    of the process, reuses them.
 
     ``sampler`` gives the model graph, special ids, prompt buckets and mesh; ``slots`` is the number of
-    concurrent rows (a multiple of the mesh's data x fsdp ways); ``max_new_tokens`` the longest response.
+    concurrent rows (a multiple of the mesh's data x fsdp ways); ``max_new_tokens`` the longest response;
+    ``insert_rows`` the requests one insert program starts per device block (more are split);
+    ``overlap``: dispatch the next decode chunk before the caller's host work (``EngineSession.step``).
     """
 
     def __init__(self, sampler: Sampler, *, slots: int, max_new_tokens: int, chunk: int = DEFAULT_CHUNK,
-                 slot_levels: int = DEFAULT_SLOT_LEVELS):
+                 slot_levels: int = DEFAULT_SLOT_LEVELS, insert_rows: int = DEFAULT_INSERT_ROWS,
+                 overlap: bool = True):
         self.sampler = sampler
-        self.kernels = SlotSampler(sampler, slots=slots, max_new_tokens=max_new_tokens, chunk=chunk,
-                                   slot_levels=slot_levels)
+        self.overlap = overlap
+        self.kernels = SlotSampler.shared(sampler, slots=slots, max_new_tokens=max_new_tokens, chunk=chunk,
+                                          slot_levels=slot_levels, insert_rows=insert_rows)
+        self.bank = ConstraintBank(sampler.vocab_size)  # the run's automata on the device
         self.last_stats: EngineStats | None = None  # the counters of the latest session
 
     @property
@@ -141,6 +164,7 @@ class EngineSession:
         self.prefixes: dict[tuple[int, ...], Donor] = {}  # prompts held by some slot's cache
         self.slot_prompt: dict[int, tuple[int, ...]] = {}
         self.stats = EngineStats()
+        self._pending: tuple[jax.Array, int] | None = None  # a dispatched decode chunk: (steps, rows)
         engine.last_stats = self.stats
 
     @property
@@ -157,40 +181,67 @@ class EngineSession:
 
     def step(self) -> list[EngineResult]:
         """Fill the free slots, pack the decoding ones, run one decode chunk when some slot is still
-        decoding, and return the requests that finished (in slot order)."""
+        decoding, and return the requests that finished (in slot order).
+
+        With ``overlap`` (the engine's default) the next chunk of the slots still decoding is dispatched
+        before this returns, so the device decodes while the caller steps environments, tokenizes and
+        submits (JAX dispatch is asynchronous); requests submitted meanwhile join at the chunk after.
+        Responses do not depend on that schedule (each row's keys are its own)."""
         self._fill()
         if not self.running:
             return []
-        done = to_host(self.slots.done)
-        decoding = [s for s in self.running if not done[s]]
-        if decoding:
-            decoding = self._compact(decoding)
-            kernels = self.kernels
-            furthest = int(to_host(self.slots.write)[decoding].max())
-            bucket = kernels.slot_bucket(max(s % kernels.local_slots for s in decoding))
-            self.slots, steps = kernels.decode(self.state, self.slots, self.params, self.key,
-                                               kernels.window(furthest), bucket)
-            steps = int(steps)
-            rows = bucket * kernels.ways
-            self.stats.decode_steps += steps
-            self.stats.decode_row_steps += steps * rows
-            self.stats.bucket_steps[rows] = self.stats.bucket_steps.get(rows, 0) + steps
-            done = to_host(self.slots.done)
+        if self._pending is None:
+            self._dispatch(to_host(self.slots.done))
+        done = self._wait()
         ended = sorted(s for s in self.running if done[s])
         if not ended:
+            if self.engine.overlap:
+                self._dispatch(done)
             return []
         # Whole arrays come back (one shape, no gather program per count of finished slots); with several
         # processes every one gathers the slots of the others (to_host), so all take the same decisions.
         lengths, finished = to_host(self.slots.length), to_host(self.slots.finished)
         tokens, logprobs = to_host(self.slots.tokens), to_host(self.slots.logprobs)
+        requests = [self.running.pop(s) for s in ended]
+        self.free.update(ended)
+        if self.engine.overlap:
+            self._dispatch(done)
         out = []
-        for s in ended:
+        for s, request in zip(ended, requests):
             n = int(lengths[s])
             self.stats.decode_tokens += max(n - 1, 0)
-            out.append(EngineResult(self.running.pop(s).tag, tokens[s, :n].copy(), logprobs[s, :n].copy(),
+            out.append(EngineResult(request.tag, tokens[s, :n].copy(), logprobs[s, :n].copy(),
                                     bool(finished[s])))
-            self.free.add(s)
         return out
+
+    def _dispatch(self, done: np.ndarray) -> None:
+        """Pack the slots still decoding (``done``: the host's view of every slot) and dispatch one decode
+        chunk of them without waiting for it (``_wait`` does)."""
+        decoding = [s for s in self.running if not done[s]]
+        if not decoding:
+            return
+        decoding = self._compact(decoding)
+        kernels = self.kernels
+        furthest = int(to_host(self.slots.write)[decoding].max()) if len(kernels.windows) > 1 else 0
+        bucket = kernels.slot_bucket(max(s % kernels.local_slots for s in decoding))
+        self.slots, steps = kernels.decode(self.state, self.slots, self.params, self.key,
+                                           kernels.window(furthest), bucket, bank=self._bank())
+        self._pending = (steps, bucket * kernels.ways)
+
+    def _wait(self) -> np.ndarray:
+        """Finish the dispatched chunk (its counters) and return every slot's done flag."""
+        if self._pending is not None:
+            steps, rows = self._pending
+            self._pending = None
+            steps = int(steps)
+            self.stats.decode_steps += steps
+            self.stats.decode_row_steps += steps * rows
+            self.stats.bucket_steps[rows] = self.stats.bucket_steps.get(rows, 0) + steps
+        return to_host(self.slots.done)
+
+    def _bank(self) -> Any:
+        """The engine's constraint bank on the device (uploaded again only when it grew)."""
+        return self.engine.bank.device(self.kernels.bank_sharding())
 
     def _compact(self, decoding: list[int]) -> list[int]:
         """Pack every device's running slots into the front of its block: the highest decoding slot
@@ -231,27 +282,36 @@ class EngineSession:
             del self.prefixes[old]
 
     def _targets(self, count: int) -> list[int]:
-        """Free slots for ``count`` new requests: each on the device with the fewest running slots (ties:
-        the first), the lowest free slot there (one device: the lowest free slots)."""
-        local = self.kernels.local_slots
+        """Free slots for up to ``count`` new requests (at most ``insert_rows`` per device: one insert
+        program): each on the device with the fewest running slots (ties: the first), the lowest free slot
+        there (one device: the lowest free slots)."""
+        local, cap = self.kernels.local_slots, self.kernels.insert_rows
         load = [0] * self.kernels.ways
         for s in self.running:
             load[s // local] += 1
         free = [sorted(s for s in self.free if s // local == d) for d in range(self.kernels.ways)]
+        taken = [0] * self.kernels.ways
         out = []
         for _ in range(count):
-            d = min((d for d in range(len(free)) if free[d]), key=lambda d: (load[d], d))
+            open_ = [d for d in range(len(free)) if free[d] and taken[d] < cap]
+            if not open_:
+                break
+            d = min(open_, key=lambda d: (load[d], d))
             out.append(free[d].pop(0))
             load[d] += 1
+            taken[d] += 1
         self.free.difference_update(out)
         return out
 
     def _fill(self) -> None:
-        """Start queued requests in free slots; identical prompts are prefilled once."""
-        if not self.queue or not self.free:
-            return
-        take = [heapq.heappop(self.queue)[2] for _ in range(min(len(self.free), len(self.queue)))]
-        targets = self._targets(len(take))
+        """Start queued requests in free slots, ``insert_rows`` per device block and insert; identical
+        prompts are prefilled once (a later insert copies them from the slot of an earlier one)."""
+        while self.queue and self.free:
+            self._insert_some()
+
+    def _insert_some(self) -> None:
+        targets = self._targets(len(self.queue))
+        take = [heapq.heappop(self.queue)[2] for _ in targets]
         # A prompt some slot of the target's device already holds is copied from it (no cache row crosses
         # devices); the others are prefilled, each once.
         local = self.kernels.local_slots
@@ -262,16 +322,18 @@ class EngineSession:
                   for r, d in zip(take, donors)]
         prompts = list(unique)
         bucket = self.kernels.prompt_bucket(prompts, donors)
-        vocab = self.engine.sampler.vocab_size
-        states = max((r.automaton.num_states for r in take if r.automaton is not None), default=1)
-        if states > self.slots.num_states:
-            self.slots = self.kernels.grow_states(self.slots, pow2(states))
-        table = stack_automata([r.automaton for r in take], vocab, num_states=self.slots.num_states)
+        bank = self.engine.bank
+        uploaded = bank.uploaded_bytes
+        rules = [bank.index(r.automaton) for r in take]
         paths = np.asarray([r.key_path for r in take], np.int32)
         self.slots = self.kernels.insert(
-            self.state, self.slots, prompts, source, targets, [r.limit for r in take], table, paths,
-            self.params, self.key, donors,
+            self.state, self.slots, prompts, source, targets, [r.limit for r in take], rules, paths,
+            self.params, self.key, donors, bank=self._bank(),
         )
+        total, indices = self.kernels.last_insert_bytes
+        self.stats.insert_bytes += total
+        self.stats.index_bytes += indices
+        self.stats.upload_bytes += bank.uploaded_bytes - uploaded
         for slot in targets:  # their old prompts are overwritten now
             self._forget_prompt(slot)
         for slot, request, donor in zip(targets, take, donors):

@@ -37,7 +37,7 @@ from flax import nnx
 
 from mage_jax.generate.constraints import TokenAutomaton, stack_automata
 from mage_jax.generate.shapes import bucket, left_padded, pow2, sorted_buckets
-from mage_jax.generate.step import Choice, SamplingParams, prefill, runtime_values, token_step
+from mage_jax.generate.step import Sampling, SamplingParams, prefill, token_step
 from mage_jax.models.sharding import to_host
 
 DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -59,9 +59,9 @@ class GenerationResult:
 # -------------------------------------------------------------------------------------- sampler
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """Everything that selects a compiled lockstep program besides array shapes."""
+    """Everything that selects a compiled lockstep program besides array shapes (the sampling settings
+    are runtime values, ``step.Sampling``)."""
 
-    choice: Choice
     constrained: bool
 
 
@@ -209,17 +209,15 @@ class Sampler:
             transitions = stack_automata(
                 list(automata) + [None] * (batch - n), self.vocab_size, num_states=pow2(states)
             )
-        fn = self._program(Program(Choice.of(params, self.vocab_size), constrained=transitions is not None))
+        fn = self._program(Program(constrained=transitions is not None))
         cache = self._init_cache(batch, prompt_bucket + params.max_new_tokens)
-        temperature, top_p = runtime_values(params)
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             out_tokens, out_logps, lengths, finished = fn(
                 state,
                 cache,
                 *self._place_batch(tokens, valid, row_limits, transitions),
                 key,
-                temperature,
-                top_p,
+                Sampling.of(params, self.vocab_size),
             )
         out_tokens, out_logps, lengths, finished = (to_host(a) for a in (out_tokens, out_logps, lengths,
                                                                           finished))
@@ -248,9 +246,10 @@ class Sampler:
             cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), cache)
         batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=self._row_sharding(rows)) for shape, dtype in
                  (((rows, prompt_len), jnp.int32), ((rows, prompt_len), jnp.bool_), ((rows,), jnp.int32))]
-        fn = self._program(Program(Choice.of(params, self.vocab_size), constrained=False))
+        fn = self._program(Program(constrained=False))
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            return fn.lower(state, cache, *batch, None, jax.random.key(0), *runtime_values(params))
+            sampling = Sampling.of(params, self.vocab_size)
+            return fn.lower(state, cache, *batch, None, jax.random.key(0), sampling)
 
     def _init_cache(self, batch: int, max_len: int):
         """A zero cache (mesh: cache sharding), donated to the jitted loop and written in place."""
@@ -299,7 +298,7 @@ class Sampler:
         eos_ids = jnp.asarray(self.eos_ids, jnp.int32)
         pad_id = self.pad_id
 
-        def run(state, cache, tokens, valid, limits, transitions, key, temperature, top_p):
+        def run(state, cache, tokens, valid, limits, transitions, key, sampling):
             self.compile_count += 1  # runs once per trace, i.e. once per compiled program
             model = nnx.merge(graphdef, state)
             batch, prompt_len = tokens.shape
@@ -310,7 +309,7 @@ class Sampler:
             def pick(step, logits, auto_state, done):
                 """Choose token `step` for every row (one key for the batch)."""
                 return token_step(logits, table, auto_state, jax.random.fold_in(key, step), done,
-                                  temperature, top_p, choice=program.choice, eos_ids=eos_ids, pad_id=pad_id)
+                                  sampling, eos_ids=eos_ids, pad_id=pad_id)
 
             hidden, cache = prefill(model, tokens, valid, cache)
             logits = model.logits(hidden[:, -1:, :])[:, 0]
@@ -358,9 +357,9 @@ class Sampler:
 
         jitted = jax.jit(run, donate_argnums=(1,))
 
-        def call(state, cache, tokens, valid, limits, transitions, key, temperature, top_p):
+        def call(state, cache, tokens, valid, limits, transitions, key, sampling):
             out_tokens, out_logps, lengths, finished, _ = jitted(
-                state, cache, tokens, valid, limits, transitions, key, temperature, top_p
+                state, cache, tokens, valid, limits, transitions, key, sampling
             )
             return out_tokens, out_logps, lengths, finished
 

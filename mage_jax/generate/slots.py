@@ -17,8 +17,8 @@ slot state they share; scheduling (which request goes where, prefix sharing, pac
   is done. Each slot writes at its own cache position and attends over its own span
   ``kv_start .. write`` (per-row ``cache_index`` of ``models.transformer``), so a slot that holds a
   short prompt of its second turn decodes next to one deep in a long first response. A decode program
-  computes a *slot bucket*: the first ``b`` slots of every device's block (``slot_buckets``: all, 1/2,
-  1/4, ... of a block), so when few slots are left a chunk computes few rows.
+  computes a *slot bucket*: the first ``b`` slots of every device's block (``slot_buckets``: all, 1/4,
+  1/16, ... of a block), so when few slots are left a chunk computes few rows.
 * ``move``: copy slots into other slots of the same device's block (cache row and every per-slot field)
   and free the sources; the engine packs the running slots into the front of each block with it.
 
@@ -27,9 +27,13 @@ Slots shard over the mesh's batch axes in contiguous blocks of ``local_slots``; 
 row crosses devices).
 
 Static shapes: the slot count ``S``, the cache length ``L = largest prompt bucket + max_new_tokens``,
-the response buffer ``N = max_new_tokens``, the automaton states ``Q``; an insert compiles once per
-(U bucket, T bucket, P bucket), a decode per (window, slot bucket), a move per move-count bucket. After
-warm-up nothing recompiles (``compile_count`` counts traces).
+the response buffer ``N = max_new_tokens``, the automaton states ``Q``. The set of programs is small and
+fixed: an insert takes ``insert_rows`` targets per device block (and as many prompts), so it compiles
+once per prompt bucket ``P``; a decode once per slot bucket (two by default: all slots, a quarter) over
+the whole cache; a move once. The engine splits larger inserts. After warm-up nothing recompiles
+(``compile_count`` counts traces), and ``SlotSampler.shared`` gives every engine of a process with the
+same model graph and shapes the same programs: a second run, or an evaluation after training (other
+sampling settings are runtime values, ``step.Sampling``), compiles no new engine program.
 
 Randomness: a slot's token ``i`` is drawn with ``fold_in(fold_in(fold_in(fold_in(key, a), b), c), i)``
 where ``(a, b, c)`` is the request's *key path* (the runner uses meta-episode, episode, phase/turn), so
@@ -37,8 +41,11 @@ a response does not depend on which slot ran it or what ran beside it. Token cho
 automaton and the end of sequence are ``generate.step.token_step`` (the lockstep sampler's), with one
 key per row.
 
-Constraints: every slot carries an automaton table ``transitions[S, Q, V]`` (an unconstrained request
-gets the accept-all automaton, which leaves the logits unchanged), masked exactly like the sampler.
+Constraints: the run's automata live on the device, factorised (``generate.bank``: a token -> column map
+and small [Q, C] tables, uploaded once and when a new automaton arrives); every slot carries the index of
+its automaton in that bank (an unconstrained request gets the accept-all automaton, which leaves the
+logits unchanged), masked exactly like the sampler's dense tables. An insert sends that index, not a
+table (``insert_bytes``).
 """
 
 from __future__ import annotations
@@ -57,20 +64,22 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mage_jax.generate import shapes
+from mage_jax.generate.bank import MIN_AUTOMATA, MIN_COLUMNS, MIN_STATES, Bank, ConstraintBank
 from mage_jax.generate.sampler import Sampler
 from mage_jax.generate.step import (
     KEY_PATH_LEN,
-    Choice,
+    Sampling,
     SamplingParams,
     prefill,
     row_keys,
-    runtime_values,
     token_step,
 )
 from mage_jax.models.transformer import KVCache, init_cache, update_by_layer
 
 _NOWHERE = 2**30  # a cache position past any cache: the write is dropped
-DEFAULT_SLOT_LEVELS = 4  # slot buckets: all slots, 1/2, 1/4, 1/8
+DEFAULT_SLOT_LEVELS = 2  # slot buckets: all slots, 1/4 (then 1/16, ...)
+DEFAULT_INSERT_ROWS = 8  # targets (and prompts) per insert program and device block
+_SHARED: dict[tuple, SlotSampler] = {}  # SlotSampler.shared: the engine programs of this process
 
 
 @jax.tree_util.register_dataclass
@@ -88,7 +97,7 @@ class Slots:
     done: jax.Array  # bool[S]: EOS, limit reached, or free
     finished: jax.Array  # bool[S]: the response ended with EOS
     auto: jax.Array  # int32[S]: automaton state
-    transitions: jax.Array  # int32[S, Q, V]
+    rule: jax.Array  # int32[S]: the slot's automaton in the bank
     key_path: jax.Array  # int32[S, KEY_PATH_LEN]
     tokens: jax.Array  # int32[S, N]
     logprobs: jax.Array  # float32[S, N]
@@ -98,9 +107,6 @@ class Slots:
     def num_slots(self) -> int:
         return self.last.shape[0]
 
-    @property
-    def num_states(self) -> int:
-        return self.transitions.shape[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +126,10 @@ class SlotSampler:
     ids, prompt buckets, mesh and parameter shardings); see the module docstring."""
 
     def __init__(self, sampler: Sampler, *, slots: int, max_new_tokens: int, chunk: int,
-                 unique_buckets: Sequence[int] | None = None, slot_levels: int = DEFAULT_SLOT_LEVELS):
-        if slots < 1 or chunk < 1 or max_new_tokens < 1 or slot_levels < 1:
-            raise ValueError(f"slots, chunk, max_new_tokens and slot_levels must be positive, got {slots}, "
-                             f"{chunk}, {max_new_tokens}, {slot_levels}")
+                 slot_levels: int = DEFAULT_SLOT_LEVELS, insert_rows: int = DEFAULT_INSERT_ROWS):
+        if min(slots, chunk, max_new_tokens, slot_levels, insert_rows) < 1:
+            raise ValueError(f"slots, chunk, max_new_tokens, slot_levels and insert_rows must be positive, "
+                             f"got {slots}, {chunk}, {max_new_tokens}, {slot_levels}, {insert_rows}")
         mesh = sampler.mesh
         ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
         if slots % ways:
@@ -133,26 +139,44 @@ class SlotSampler:
         self.num_slots = int(slots)
         self.ways = ways
         self.local_slots = self.num_slots // ways
-        # Slot buckets (per device): the whole block, its half, quarter, ... (slot_levels of them).
-        self.slot_buckets = tuple(sorted({-(-self.local_slots // 2**k) for k in range(slot_levels)}))
+        # Slot buckets (per device): the whole block, its quarter, ... (slot_levels of them).
+        self.slot_buckets = tuple(sorted({-(-self.local_slots // 4**k) for k in range(slot_levels)}))
+        self.insert_rows = min(int(insert_rows), self.local_slots)
         self.max_new_tokens = int(max_new_tokens)
         self.chunk = int(chunk)
         self.max_len = sampler.prompt_buckets[-1] + self.max_new_tokens
-        row_buckets = unique_buckets or shapes.pow2_buckets(self.num_slots)
-        self.row_buckets = tuple(sorted({*row_buckets, self.num_slots}))
+        self.windows = (self.max_len,)
         self.compile_count = 0
-        self._inserts: dict[Choice, Callable] = {}
-        self._decodes: dict[tuple[Choice, int, int], Callable] = {}
+        self._insert: Callable | None = None
+        self._decodes: dict[tuple[int, int], Callable] = {}
         self._moves: Callable | None = None
-        self._empty: dict[int, Callable] = {}
+        self._empty: Callable | None = None
+        self._accept_all: Bank | None = None
+        self.last_insert_bytes = (0, 0)
+        """(all, automaton indices): host -> device bytes of the latest insert's arguments."""
         self._specs: Any = None
+
+    @classmethod
+    def shared(cls, sampler: Sampler, **kwargs: Any) -> SlotSampler:
+        """The programs of ``sampler``'s model and these shapes, built once per process: every engine with
+        the same graph, special ids, prompt buckets, cache dtype, mesh and arguments gets one instance
+        (and so no new compile). Unhashable parts (an exotic mesh or dtype) fall back to a new one."""
+        key = (sampler.graphdef, sampler.config, sampler.eos_ids, sampler.pad_id, sampler.prompt_buckets,
+               sampler.cache_dtype, sampler.mesh, tuple(sorted(kwargs.items())))
+        try:
+            found = _SHARED.get(key)
+        except TypeError:
+            return cls(sampler, **kwargs)
+        if found is None:
+            found = _SHARED[key] = cls(sampler, **kwargs)
+        return found
 
     # ------------------------------------------------------------------------------------ state
     def _mesh_context(self):
         mesh = self.sampler.mesh
         return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
-    def _shardings(self, num_states: int) -> Any:
+    def _shardings(self) -> Any:
         mesh = self.sampler.mesh
         if mesh is None:
             return None
@@ -160,13 +184,13 @@ class SlotSampler:
 
         rows = batch_sharding(mesh)
         cache = cache_sharding(self.sampler.config, mesh, self.num_slots)
-        example = jax.eval_shape(lambda: self._zeros(num_states))
+        example = jax.eval_shape(self._zeros)
         return dataclasses.replace(
             jax.tree.map(lambda _: rows, example),
             cache=jax.tree.map(lambda _: cache, example.cache),
         )
 
-    def _zeros(self, num_states: int) -> Slots:
+    def _zeros(self) -> Slots:
         s, n = self.num_slots, self.max_new_tokens
         sampler = self.sampler
         zeros = functools.partial(jnp.zeros, (s,), jnp.int32)
@@ -174,46 +198,57 @@ class SlotSampler:
             cache=init_cache(sampler.config, s, self.max_len, sampler.cache_dtype),
             last=zeros(), write=zeros(), position=zeros(), kv_start=zeros(), length=zeros(),
             limit=zeros(), done=jnp.ones((s,), bool), finished=jnp.zeros((s,), bool), auto=zeros(),
-            transitions=jnp.zeros((s, num_states, sampler.vocab_size), jnp.int32),
+            rule=zeros(),
             key_path=jnp.zeros((s, KEY_PATH_LEN), jnp.int32),
             tokens=jnp.full((s, n), sampler.pad_id, jnp.int32),
             logprobs=jnp.zeros((s, n), jnp.float32),
             prompt_hidden=jnp.zeros((s, sampler.config.hidden_size), sampler.config.jnp_dtype),
         )
 
-    def abstract_slots(self, num_states: int = 1) -> Slots:
-        """The shapes, dtypes and shardings of ``empty(num_states)`` without allocating them."""
-        shapes_ = jax.eval_shape(lambda: self._zeros(num_states))
-        shardings = self._shardings(num_states)
+    def abstract_slots(self) -> Slots:
+        """The shapes, dtypes and shardings of ``empty()`` without allocating them."""
+        shapes_ = jax.eval_shape(self._zeros)
+        shardings = self._shardings()
         if shardings is None:
             return shapes_
         return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes_,
                             shardings)
 
-    def empty(self, num_states: int = 1) -> Slots:
-        """``S`` free slots (every slot done), sharded over the mesh's batch axes with the rows."""
-        fn = self._empty.get(num_states)
-        if fn is None:
-            fn = jax.jit(functools.partial(self._zeros, num_states),
-                         out_shardings=self._shardings(num_states))
-            self._empty[num_states] = fn
-        return fn()
+    def abstract_bank(self, shape: tuple[int, int, int] | None = None) -> Bank:
+        """The shapes of a constraint bank of ``shape`` (A, Q, C; default: the smallest), replicated."""
+        a, q, c = shape or (MIN_AUTOMATA, MIN_STATES, MIN_COLUMNS)
+        sharding = self.bank_sharding()
+        return Bank(jax.ShapeDtypeStruct((self.sampler.vocab_size,), jnp.int32, sharding=sharding),
+                    jax.ShapeDtypeStruct((a, q, c), jnp.int32, sharding=sharding))
 
-    def grow_states(self, slots: Slots, num_states: int) -> Slots:
-        """The same slots with automaton tables padded to ``num_states`` states (disallow-all rows)."""
-        extra = num_states - slots.num_states
-        if extra <= 0:
-            return slots
-        table = jnp.pad(slots.transitions, ((0, 0), (0, extra), (0, 0)), constant_values=-1)
-        return dataclasses.replace(slots, transitions=table)
+    def bank_sharding(self) -> Any:
+        """Where a constraint bank lives: replicated over the mesh (None without one)."""
+        if self.sampler.mesh is None:
+            return None
+        from mage_jax.models.sharding import replicated
+
+        return replicated(self.sampler.mesh)
+
+    def accept_all_bank(self) -> Bank:
+        """The bank of unconstrained requests only (index 0), for callers without automata."""
+        if self._accept_all is None:
+            self._accept_all = ConstraintBank(self.sampler.vocab_size).device(self.bank_sharding())
+        return self._accept_all
+
+    def empty(self) -> Slots:
+        """``S`` free slots (every slot done), sharded over the mesh's batch axes with the rows."""
+        if self._empty is None:
+            self._empty = jax.jit(self._zeros, out_shardings=self._shardings())
+        return self._empty()
 
     # ----------------------------------------------------------------------------------- insert
     def insert(self, state: Any, slots: Slots, prompts: Sequence[Sequence[int]], source: Sequence[int],
-               targets: Sequence[int], limits: Sequence[int], transitions: np.ndarray,
+               targets: Sequence[int], limits: Sequence[int], rules: Sequence[int],
                key_paths: np.ndarray, params: SamplingParams, key: jax.Array,
-               donors: Sequence[Donor | None] | None = None) -> Slots:
+               donors: Sequence[Donor | None] | None = None, *, bank: Bank | None = None) -> Slots:
         """Prefill the distinct ``prompts`` once and start request t in slot ``targets[t]`` from prompt
-        ``source[t]`` (``limits[t]`` new tokens, automaton ``transitions[t]``, key path ``key_paths[t]``).
+        ``source[t]`` (``limits[t]`` new tokens, automaton ``rules[t]`` of ``bank`` (None: the accept-all
+        bank), key path ``key_paths[t]``).
 
         ``donors[t]``, when given, is a slot that already holds request t's prompt (same tokens): its
         keys and values are copied instead (``source[t]`` is then ignored, and ``prompts`` may be empty)."""
@@ -234,8 +269,11 @@ class SlotSampler:
             if d is not None and d.slot // local != slot // local:
                 raise ValueError(f"donor slot {d.slot} and target slot {slot} lie on different devices")
             per_block[slot // local].append(i)
-        t_bucket = shapes.bucket(max(len(b) for b in per_block), self.row_buckets)
-        u_bucket = max(min(shapes.bucket(u, self.row_buckets), t_bucket * ways), 1)
+        if max(len(b) for b in per_block) > self.insert_rows:
+            raise ValueError(f"an insert takes at most {self.insert_rows} targets per device block "
+                             f"(insert_rows); split it")
+        t_bucket = self.insert_rows
+        u_bucket = t_bucket * ways
         tokens, valid = shapes.left_padded(prompts, u_bucket, p_bucket, pad_id=sampler.pad_id,
                                            vocab_size=sampler.vocab_size)
         valid[u:, -1] = True  # dummy prompts: one real token, so their (discarded) prefill stays finite
@@ -246,7 +284,7 @@ class SlotSampler:
         lens = np.ones(shape, np.int32)
         dst = np.full(shape, local, np.int32)  # out of the block: dropped by the scatters
         lim = np.zeros(shape, np.int32)
-        table = np.full(shape + (slots.num_states, sampler.vocab_size), -1, np.int32)
+        rule = np.zeros(shape, np.int32)
         paths = np.zeros(shape + (KEY_PATH_LEN,), np.int32)
         for w, block in enumerate(per_block):
             for j, i in enumerate(block):
@@ -258,46 +296,51 @@ class SlotSampler:
                     donor[w, j], base[w, j], lens[w, j] = d.slot % local, d.bucket, d.length
                 dst[w, j] = targets[i] % local
                 lim[w, j] = min(limits[i], self.max_new_tokens)
-                table[w, j] = transitions[i]
+                rule[w, j] = rules[i]
                 paths[w, j] = key_paths[i]
-        temperature, top_p = runtime_values(params)
+        sent = (tokens, valid, src, donor, base, lens, dst, lim, rule, paths)
+        self.last_insert_bytes = (sum(a.nbytes for a in sent), rule.nbytes)
         with self._mesh_context():
-            return self._insert_program(params)(state, slots, tokens, valid, src, donor, base, lens, dst, lim,
-                                                table, paths, key, temperature, top_p)
+            return self._insert_program()(state, slots, tokens, valid, src, donor, base, lens, dst, lim,
+                                          rule, paths, key, self._sampling(params),
+                                          bank or self.accept_all_bank())
 
-    def _insert_program(self, params: SamplingParams) -> Callable:
-        static = Choice.of(params, self.sampler.vocab_size)
-        fn = self._inserts.get(static)
-        if fn is None:
-            fn = self._inserts[static] = self._build_insert(static)
-        return fn
+    def _sampling(self, params: SamplingParams) -> Sampling:
+        return Sampling.of(params, self.sampler.vocab_size)
 
-    def lower_insert(self, state: Any, params: SamplingParams, *, prompts: int, targets: int,
-                     prompt_len: int, num_states: int = 1) -> jax.stages.Lowered:
-        """The insert program of ``prompts`` distinct prompts of ``prompt_len`` tokens into ``targets``
-        slots spread evenly over the device blocks (row buckets), lowered ahead of time for ``state``
-        (arrays or ``ShapeDtypeStruct`` leaves with their shardings); nothing is allocated."""
+    def _insert_program(self) -> Callable:
+        if self._insert is None:
+            self._insert = self._build_insert()
+        return self._insert
+
+    def lower_insert(self, state: Any, params: SamplingParams, *, prompt_len: int,
+                     bank_shape: tuple[int, int, int] | None = None) -> jax.stages.Lowered:
+        """The insert program for the prompt bucket ``prompt_len`` (its one shape: ``insert_rows`` targets
+        per device block and as many prompt rows), lowered ahead of time for ``state`` (arrays or
+        ``ShapeDtypeStruct`` leaves with their shardings) and a bank of ``bank_shape``; nothing is
+        allocated."""
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-        block = (self.ways, shapes.bucket(-(-targets // self.ways), self.row_buckets))  # spread evenly
-        args = (state, self.abstract_slots(num_states), i32((prompts, prompt_len)),
-                jax.ShapeDtypeStruct((prompts, prompt_len), jnp.bool_), *(i32(block) for _ in range(6)),
-                i32(block + (num_states, self.sampler.vocab_size)), i32(block + (KEY_PATH_LEN,)),
-                jax.random.key(0), *runtime_values(params))
+        block = (self.ways, self.insert_rows)
+        rows = self.insert_rows * self.ways
+        args = (state, self.abstract_slots(), i32((rows, prompt_len)),
+                jax.ShapeDtypeStruct((rows, prompt_len), jnp.bool_), *(i32(block) for _ in range(6)),
+                i32(block), i32(block + (KEY_PATH_LEN,)),
+                jax.random.key(0), self._sampling(params), self.abstract_bank(bank_shape))
         with self._mesh_context():
-            return self._insert_program(params).lower(*args)
+            return self._insert_program().lower(*args)
 
     def prompt_bucket(self, prompts: Sequence[Sequence[int]], donors: Sequence[Donor | None]) -> int:
         """The prompt bucket of an insert: it holds the longest prompt and every donor's bucket."""
         longest = max([len(p) for p in prompts] + [d.bucket for d in donors if d is not None])
         return shapes.bucket(longest, self.sampler.prompt_buckets)
 
-    def _build_insert(self, static: Choice) -> Callable:
+    def _build_insert(self) -> Callable:
         sampler = self.sampler
         graphdef, config, pad_id = sampler.graphdef, sampler.config, sampler.pad_id
         eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
 
-        def run(state, slots: Slots, tokens, valid, src, donor, base, prompt_lens, dst, limits, table, paths,
-                key, temperature, top_p) -> Slots:
+        def run(state, slots: Slots, tokens, valid, src, donor, base, prompt_lens, dst, limits, rule, paths,
+                key, sampling, bank) -> Slots:
             # Targets arrive by device block ([ways, t]: ``dst`` and ``donor`` index slots inside the block),
             # so every gather and scatter into the slots stays on the device that holds them; the prefill's
             # prompt rows shard over the batch axes (each device prefills rows / ways prompts) and each
@@ -321,8 +364,8 @@ class SlotSampler:
             zeros = jnp.zeros(src.size, jnp.int32)
             done0 = flat(limits <= 0)
             keys = row_keys(key, flat(paths), zeros)
-            drawn = token_step(logits, flat(table), zeros, keys, done0, temperature, top_p, choice=static,
-                               eos_ids=eos_ids, pad_id=pad_id)
+            drawn = token_step(logits, (bank, flat(rule)), zeros, keys, done0, sampling, eos_ids=eos_ids,
+                               pad_id=pad_id)
             token, logp, auto, hit = drawn.token, drawn.logp, drawn.auto, drawn.eos
             length = jnp.where(done0, 0, 1).astype(jnp.int32)
             n = slots.tokens.shape[1]
@@ -362,7 +405,7 @@ class SlotSampler:
                 done=put(slots.done, done, specs.done),
                 finished=put(slots.finished, hit, specs.finished),
                 auto=put(slots.auto, auto, specs.auto),
-                transitions=put(slots.transitions, flat(table), specs.transitions),
+                rule=put(slots.rule, flat(rule), specs.rule),
                 key_path=put(slots.key_path, flat(paths), specs.key_path),
                 tokens=put(slots.tokens, row_tokens, specs.tokens),
                 logprobs=put(slots.logprobs, row_logps, specs.logprobs),
@@ -380,7 +423,7 @@ class SlotSampler:
         if self.sampler.mesh is None:
             return jax.tree.map(lambda _: None, slots)
         if self._specs is None:
-            self._specs = jax.tree.map(lambda sh: sh.spec, self._shardings(1))
+            self._specs = jax.tree.map(lambda sh: sh.spec, self._shardings())
         return self._specs
 
     def _blocks(self, x: jax.Array, spec: Any) -> jax.Array:
@@ -436,7 +479,7 @@ class SlotSampler:
             if src // local != dst // local:
                 raise ValueError(f"slot {src} and slot {dst} lie on different devices")
             per_block[src // local].append((src % local, dst % local))
-        m = shapes.bucket(max(len(b) for b in per_block), self.row_buckets)
+        m = local  # one program: every move of a block fits
         src_ix = np.full((ways, m), local, np.int32)  # out of range: padding moves are dropped
         dst_ix = np.full((ways, m), local, np.int32)
         for d, block in enumerate(per_block):
@@ -468,18 +511,15 @@ class SlotSampler:
 
     # ----------------------------------------------------------------------------------- decode
     def window(self, furthest_write: int) -> int:
-        """The cache prefix a decode chunk attends over: the smallest window (a power of two from 64, or
-        the whole cache) that holds ``furthest_write + chunk`` positions. Decode attention costs in
-        proportion to it, and most rows are far shorter than the largest prompt bucket plus the longest
-        response the cache is sized for."""
-        need = furthest_write + self.chunk
-        w = 64
-        while w < need:
-            w *= 2
-        return min(w, self.max_len)
+        """The cache prefix a decode chunk attends over: the smallest of ``windows`` that holds
+        ``furthest_write + chunk`` positions. By default the only window is the whole cache: decode
+        attention costs in proportion to the window, but every window is one more program per slot
+        bucket to compile (``decode(window=...)`` still takes any)."""
+        return shapes.bucket(furthest_write + self.chunk, self.windows)
 
     def decode(self, state: Any, slots: Slots, params: SamplingParams, key: jax.Array,
-               window: int | None = None, bucket: int | None = None) -> tuple[Slots, jax.Array]:
+               window: int | None = None, bucket: int | None = None, *,
+               bank: Bank | None = None) -> tuple[Slots, jax.Array]:
         """Up to ``chunk`` steps of the decoded slots (fewer when all are done); returns (slots, steps).
 
         ``window``: attend over the first ``window`` cache positions only (``window(furthest write)``);
@@ -487,36 +527,37 @@ class SlotSampler:
         ``bucket``: decode the first ``bucket`` slots of every device's block only (a ``slot_buckets``
         entry; ``ways * bucket`` rows computed per step); every active slot must lie among them.
         None: every slot."""
-        temperature, top_p = runtime_values(params)
         with self._mesh_context():
-            return self._decode_program(params, window, bucket)(state, slots, key, temperature, top_p)
+            return self._decode_program(window, bucket)(state, slots, key, self._sampling(params),
+                                                        bank or self.accept_all_bank())
 
-    def _decode_program(self, params: SamplingParams, window: int | None, bucket: int | None) -> Callable:
-        static = Choice.of(params, self.sampler.vocab_size)
+    def _decode_program(self, window: int | None, bucket: int | None) -> Callable:
         window = self.max_len if window is None else int(window)
         bucket = self.local_slots if bucket is None else int(bucket)
         if bucket not in self.slot_buckets:
             raise ValueError(f"slot bucket {bucket} is not one of {self.slot_buckets}")
-        fn = self._decodes.get((static, window, bucket))
+        fn = self._decodes.get((window, bucket))
         if fn is None:
-            fn = self._decodes[static, window, bucket] = self._build_decode(static, window, bucket)
+            fn = self._decodes[window, bucket] = self._build_decode(window, bucket)
         return fn
 
     def lower_decode(self, state: Any, params: SamplingParams, *, window: int | None = None,
-                     bucket: int | None = None, num_states: int = 1) -> jax.stages.Lowered:
+                     bucket: int | None = None, bank_shape: tuple[int, int, int] | None = None
+                     ) -> jax.stages.Lowered:
         """The decode program of one chunk (``window`` / ``bucket`` as in ``decode``; None: the whole cache,
         every slot), lowered ahead of time for ``state`` like ``lower_insert``."""
         with self._mesh_context():
-            return self._decode_program(params, window, bucket).lower(
-                state, self.abstract_slots(num_states), jax.random.key(0), *runtime_values(params))
+            return self._decode_program(window, bucket).lower(
+                state, self.abstract_slots(), jax.random.key(0), self._sampling(params),
+                self.abstract_bank(bank_shape))
 
-    def _build_decode(self, static: Choice, window: int, bucket: int) -> Callable:
+    def _build_decode(self, window: int, bucket: int) -> Callable:
         sampler = self.sampler
         graphdef, pad_id, chunk = sampler.graphdef, sampler.pad_id, self.chunk
         eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
         whole = bucket == self.local_slots and window == self.max_len
 
-        def run(state, slots: Slots, key, temperature, top_p):
+        def run(state, slots: Slots, key, sampling, bank):
             self.compile_count += 1
             model = nnx.merge(graphdef, state)
             n = slots.tokens.shape[1]
@@ -534,9 +575,9 @@ class SlotSampler:
                 hidden, cache = model(s.last[:, None], s.position[:, None], cache=s.cache,
                                       cache_index=write, kv_start=s.kv_start)
                 active = ~s.done
-                drawn = token_step(model.logits(hidden)[:, 0], s.transitions, s.auto,
-                                   row_keys(key, s.key_path, s.length), s.done, temperature, top_p,
-                                   choice=static, eos_ids=eos_ids, pad_id=pad_id)
+                drawn = token_step(model.logits(hidden)[:, 0], (bank, s.rule), s.auto,
+                                   row_keys(key, s.key_path, s.length), s.done, sampling,
+                                   eos_ids=eos_ids, pad_id=pad_id)
                 token, logp, auto, hit = drawn.token, drawn.logp, drawn.auto, drawn.eos
                 column = jnp.where(active, s.length, n)  # done slots write out of range: dropped
                 length = s.length + active.astype(jnp.int32)

@@ -316,12 +316,23 @@ class LLMPolicy:
     def prepare(self, request: GenerationRequest) -> Prepared | None:
         """What one request asks of the model: its prompt ids, token limit and automaton; None when the
         prompt cannot be fed to the model (the request is answered as skipped)."""
-        ids = self._encode([request.prompt])[0]
-        self._prompt_cache.pop(request.prompt, None)
-        if not self._fits(ids, self._prompt_limit()):
-            return None
-        automaton = self.automaton(request.allowed_completions) if request.allowed_completions else None
-        return Prepared(np.asarray(ids, dtype=np.int32), self._row_limit(request), automaton)
+        return self.prepare_all([request])[0]
+
+    def prepare_all(self, requests: Sequence[GenerationRequest]) -> list[Prepared | None]:
+        """``prepare`` of every request, their prompts tokenized in one tokenizer call."""
+        every_ids = self._encode([r.prompt for r in requests])
+        for r in requests:
+            self._prompt_cache.pop(r.prompt, None)
+        limit = self._prompt_limit()
+        out: list[Prepared | None] = []
+        for request, ids in zip(requests, every_ids):
+            if not self._fits(ids, limit):
+                out.append(None)
+                continue
+            allowed = request.allowed_completions
+            automaton = self.automaton(allowed) if allowed else None
+            out.append(Prepared(np.asarray(ids, dtype=np.int32), self._row_limit(request), automaton))
+        return out
 
     def decode(self, responses: Sequence[np.ndarray]) -> list[str]:
         """The text of each response (token ids)."""
@@ -382,7 +393,8 @@ class Prepared:
 
 class EngineStream:
     """``LLMPolicy`` over one engine session: text in, ``Generation`` out (prompts that cannot be fed
-    to the model come back at once as skipped, like ``generate``)."""
+    to the model come back at once as skipped, like ``generate``). Requests submitted between two
+    ``collect`` calls are tokenized together (one tokenizer call) and enter the session in order."""
 
     lockstep = False
 
@@ -391,24 +403,37 @@ class EngineStream:
         self.session = session
         self._ready: list[tuple[Any, Generation]] = []
         self._prepared: dict[Any, Prepared] = {}
+        self._pending: list[tuple[Any, GenerationRequest, tuple[int, ...], tuple[int, ...]]] = []
 
     @property
     def busy(self) -> bool:
-        return bool(self._ready) or self.session.busy
+        return bool(self._ready or self._pending) or self.session.busy
 
     def submit(self, tag: Any, request: GenerationRequest, key_path: tuple[int, ...],
                priority: tuple[int, ...] = ()) -> None:
-        prepared = self.policy.prepare(request)
-        if prepared is None:
-            self._ready.append((tag, _SKIPPED))
+        for k in key_path:  # checked now, so a bad key path is an error of this call
+            if not 0 <= int(k) < 2**31:
+                raise ValueError(f"key_path must be integers in [0, 2**31), got {tuple(key_path)}")
+        self._pending.append((tag, request, tuple(int(k) for k in key_path), tuple(priority)))
+
+    def _flush(self) -> None:
+        """Tokenize the requests submitted since the last ``collect`` at once and hand them on."""
+        pending, self._pending = self._pending, []
+        if not pending:
             return
-        self._prepared[tag] = prepared
-        self.session.submit(EngineRequest(
-            tag=tag, prompt_ids=tuple(int(t) for t in prepared.prompt_ids), limit=prepared.limit,
-            automaton=prepared.automaton, key_path=tuple(int(k) for k in key_path), priority=tuple(priority),
-        ))
+        for (tag, _, key_path, priority), prepared in zip(
+                pending, self.policy.prepare_all([request for _, request, _, _ in pending])):
+            if prepared is None:
+                self._ready.append((tag, _SKIPPED))
+                continue
+            self._prepared[tag] = prepared
+            self.session.submit(EngineRequest(
+                tag=tag, prompt_ids=tuple(int(t) for t in prepared.prompt_ids), limit=prepared.limit,
+                automaton=prepared.automaton, key_path=key_path, priority=priority,
+            ))
 
     def collect(self) -> list[tuple[Any, Generation]]:
+        self._flush()
         out, self._ready = self._ready, []
         if not self.session.busy:
             return out

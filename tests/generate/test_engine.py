@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 
 from experiments.environments import ENVIRONMENTS, environment
+from mage_jax import compile_report
 from mage_jax import config as C
 from mage_jax.envs.alfworld import write_tiny_alfred_game
 from mage_jax.generate.constraints import automaton_from_completions, automaton_from_word_sequence
@@ -159,10 +160,11 @@ def tiny_sampler():
 
 @pytest.fixture(scope="module")
 def engines(tiny_sampler):
-    """``engines(slots, chunk)``: one engine per shape for the whole module (each compiles its programs)."""
+    """``engines(slots, chunk)``: one engine per shape for the whole module. Synchronous (no overlap):
+    these tests follow the slots step by step, and with overlap a request joins one chunk later."""
     sampler, _ = tiny_sampler
     return functools.cache(lambda slots, chunk: RolloutEngine(sampler, slots=slots, max_new_tokens=12,
-                                                              chunk=chunk))
+                                                              chunk=chunk, overlap=False))
 
 
 def requests_of(prompts, limits, automata):
@@ -266,6 +268,33 @@ def test_sampled_responses_do_not_depend_on_slots_order_or_company(tiny_sampler,
     assert any(not np.array_equal(again[t].tokens, runs[0][t].tokens) for t in again)
 
 
+def test_overlapped_decoding_gives_the_synchronous_responses(tiny_sampler, engines):
+    """With overlap the next chunk is dispatched before the finished requests go back to the caller, so
+    the schedule differs; the responses (greedy and sampled) do not."""
+    sampler, state = tiny_sampler
+    prompts, limits, automata = mixed_batch()
+    overlapped = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=3)
+    assert overlapped.overlap and overlapped.kernels is engines(3, 3).kernels
+    for params in (SamplingParams(temperature=0.0, max_new_tokens=12),
+                   SamplingParams(temperature=1.0, top_k=8, max_new_tokens=12)):
+        runs = []
+        for engine in (engines(3, 3), overlapped):
+            session = engine.session(state, params, jax.random.key(4))
+            out = {}
+            pending = requests_of(prompts, limits, automata)
+            session.submit(pending.pop(0))
+            while session.busy or pending:  # a request arrives after every step, as from a runner
+                out.update((r.tag, r) for r in session.step())
+                if pending:
+                    session.submit(pending.pop(0))
+            runs.append(out)
+        for tag in runs[0]:
+            np.testing.assert_array_equal(runs[1][tag].tokens, runs[0][tag].tokens)
+            np.testing.assert_allclose(runs[1][tag].logprobs, runs[0][tag].logprobs, atol=1e-5)
+            assert runs[1][tag].finished == runs[0][tag].finished
+        assert len(runs[0]) == len(prompts)
+
+
 def test_nothing_recompiles_once_warm(tiny_sampler, engines):
     _, state = tiny_sampler
     prompts, limits, automata = mixed_batch()
@@ -276,6 +305,54 @@ def test_nothing_recompiles_once_warm(tiny_sampler, engines):
     assert warm > 0
     generate_all(engine.session(state, params, jax.random.key(1)), requests_of(prompts, limits, automata))
     assert engine.compile_count == warm
+
+
+def test_a_new_runs_engine_and_an_evaluation_after_training_compile_no_engine_program(tiny_sampler):
+    """Engine programs are the process's: a second engine of the same model and shapes (the next run, or
+    the evaluation after training) reuses them, and evaluation's sampling settings are runtime values."""
+    sampler, state = tiny_sampler
+    prompts, limits, automata = mixed_batch()
+    keys = [jax.random.key(i) for i in range(3)]
+    training = SamplingParams(temperature=1.0, max_new_tokens=12)
+    evaluation = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_new_tokens=12)
+    first = RolloutEngine(sampler, slots=4, max_new_tokens=12, chunk=3)
+    generate_all(first.session(state, training, keys[0]), requests_of(prompts, limits, automata))
+    counter = compile_report.counter()
+    before = counter.snapshot()
+    assert before.programs is not None
+    generate_all(first.session(state, evaluation, keys[1]), requests_of(prompts, limits, automata))
+    next_run = Sampler(sampler.graphdef, sampler.config, eos_ids=sampler.eos_ids, pad_id=sampler.pad_id,
+                       prompt_buckets=sampler.prompt_buckets, batch_buckets=sampler.batch_buckets)
+    second = RolloutEngine(next_run, slots=4, max_new_tokens=12, chunk=3)
+    assert second.kernels is first.kernels
+    out = generate_all(second.session(state, evaluation, keys[2]), requests_of(prompts, limits, automata))
+    assert len(out) == len(prompts)
+    assert (counter.snapshot() - before).programs == 0
+
+
+def test_an_insert_sends_automaton_indices_not_tables_at_qwens_vocabulary():
+    """At a 151,936-token vocabulary an insert's arguments stay under 64 KB with constrained requests
+    (a dense table was 39 MB per automaton state and request); the bank's map and tables go up once."""
+    vocab = 151_936
+    config = ModelConfig.preset("tiny", vocab_size=vocab, num_layers=1, hidden_size=16, intermediate_size=32)
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    sampler = Sampler(graphdef, config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(8,), batch_buckets=(4,))
+    engine = RolloutEngine(sampler, slots=4, max_new_tokens=4, chunk=4)
+    actions = automaton_from_completions([[1000, 2000], [1001], [150_000, 7]], vocab, EOS)
+    requests = [EngineRequest(i, (5, 6, 7 + i), 4, actions if i % 2 else None, (i, 0, 0)) for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+    stats = []
+    for key in (0, 1):
+        session = engine.session(state, greedy, jax.random.key(key))
+        out = generate_all(session, requests)
+        for i in (1, 3, 5):  # the constrained responses are legal actions
+            assert out[i].tokens.tolist() in ([1000, 2000, EOS], [1001, EOS], [150_000, 7, EOS])
+        stats.append(session.stats)
+    for s in stats:
+        assert s.inserts >= 2 and s.insert_bytes / s.inserts <= 64 * 1024
+        assert s.index_bytes / s.inserts <= 64
+    assert stats[0].upload_bytes >= vocab * 4  # the token -> column map and the tables, once
+    assert stats[1].upload_bytes == 0  # the second rollout's automata were on the device already
 
 
 def test_bad_requests_are_one_clear_error(tiny_sampler):
@@ -342,7 +419,7 @@ _SHARDED = textwrap.dedent(
         sampler = Sampler(g, deeper, eos_ids=[3], pad_id=0, prompt_buckets=(512,), batch_buckets=(8,),
                           mesh=mesh)
         kernels = RolloutEngine(sampler, slots=16, max_new_tokens=64, chunk=2).kernels
-        insert = kernels.lower_insert(shard_state(s, mesh), params, prompts=16, targets=16, prompt_len=512)
+        insert = kernels.lower_insert(shard_state(s, mesh), params, prompt_len=512)
         out["insert_memory"].append([insert.compile().memory_analysis().temp_size_in_bytes,
                                      sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(
                                          kernels.abstract_slots().cache))])

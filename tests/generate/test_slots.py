@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mage_jax.generate.constraints import stack_automata
 from mage_jax.generate.sampler import Sampler
 from mage_jax.generate.slots import Donor, SlotSampler
 from mage_jax.generate.step import SamplingParams
@@ -36,8 +35,7 @@ def tiny():
 
 def insert(kernels, state, slots, prompts, source, targets, donors=None):
     t = len(targets)
-    return kernels.insert(state, slots, prompts, source, targets, [6] * t,
-                          stack_automata([None] * t, VOCAB, num_states=slots.num_states),
+    return kernels.insert(state, slots, prompts, source, targets, [6] * t, [0] * t,  # accept-all automata
                           np.asarray([[i, 0, 0] for i in range(t)], np.int32), GREEDY, jax.random.key(0),
                           donors)
 
@@ -77,7 +75,7 @@ def test_a_moved_slot_carries_its_cache_row_and_every_field_and_decodes_on(tiny)
     moved = kernels.move(slots, [(3, 0)])
     after = jax.tree.map(np.asarray, moved)
     for name in ("last", "write", "position", "kv_start", "length", "limit", "finished", "auto", "key_path",
-                 "tokens", "logprobs", "prompt_hidden", "transitions"):
+                 "tokens", "logprobs", "prompt_hidden", "rule"):
         np.testing.assert_array_equal(getattr(after, name)[0], getattr(before, name)[3], err_msg=name)
     for k_after, k_before in zip(after.cache.k + after.cache.v, before.cache.k + before.cache.v):
         np.testing.assert_array_equal(k_after[0], k_before[3])
@@ -90,7 +88,7 @@ def test_a_moved_slot_carries_its_cache_row_and_every_field_and_decodes_on(tiny)
 
 def test_a_decode_over_a_slot_bucket_leaves_the_other_slots_alone(tiny):
     _, kernels, state, reference = tiny
-    assert kernels.slot_buckets == (1, 2, 4)
+    assert kernels.slot_buckets == (1, 4)  # all slots, a quarter
     slots = insert(kernels, state, kernels.empty(), PROMPTS[:2], [0, 1], [0, 3])
     before = jax.tree.map(np.asarray, slots)
     slots, _ = kernels.decode(state, slots, GREEDY, jax.random.key(0), bucket=1)
@@ -111,8 +109,10 @@ def test_bad_inserts_are_one_clear_error(tiny):
         SlotSampler(on_a_mesh(kernels.sampler), slots=3, max_new_tokens=4, chunk=2)
     four = SlotSampler(on_a_mesh(kernels.sampler), slots=4, max_new_tokens=4, chunk=2)  # a slot per device
     with pytest.raises(ValueError, match="lie on different devices"):  # a donor's cache row stays put
-        insert(four, state, types.SimpleNamespace(num_states=1), [], [0], [1],
-               donors=[Donor(slot=0, bucket=16, length=3)])
+        insert(four, state, None, [], [0], [1], donors=[Donor(slot=0, bucket=16, length=3)])
+    with pytest.raises(ValueError, match="at most 2 targets per device block"):  # the engine splits
+        insert(SlotSampler(kernels.sampler, slots=4, max_new_tokens=4, chunk=2, insert_rows=2), state, None,
+               PROMPTS, [0, 1, 2], [0, 1, 2])
 
 
 def on_a_mesh(sampler):

@@ -11,7 +11,12 @@ import pytest
 
 from mage_jax.generate.constraints import automaton_from_completions, stack_automata
 from mage_jax.generate.step import (
-    Choice,
+    GREEDY,
+    PLAIN,
+    SORTED,
+    TOP_K,
+    TOP_K_CAP,
+    Sampling,
     SamplingParams,
     choose_tokens,
     row_keys,
@@ -31,26 +36,74 @@ def test_sampling_params_are_validated():
 
 
 # --------------------------------------------------------------------------------- token choice
+CHOOSE = jax.jit(choose_tokens)  # one program: every setting below is a runtime value
+
+
+def sampling(vocab=VOCAB, **kw) -> Sampling:
+    return Sampling.of(SamplingParams(**kw), vocab)
+
+
 def test_top_k_and_top_p_draw_only_from_the_kept_tokens():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 512))
     keys = jax.random.key(0)
-    one = jnp.float32(1.0)
 
-    choose = jax.jit(choose_tokens, static_argnames=("greedy", "top_k", "use_top_p"))
-
-    def draw(top_k, top_p, use_top_p):
-        tokens, logp = choose(
-            logits, None, keys, one, jnp.float32(top_p), greedy=False, top_k=top_k, use_top_p=use_top_p
-        )
+    def draw(top_k, top_p):
+        tokens, logp = CHOOSE(logits, None, keys, sampling(4, top_k=top_k, top_p=top_p))
         return set(np.asarray(tokens).tolist()), np.asarray(logp)
 
-    drawn, logp = draw(2, 1.0, False)
+    drawn, logp = draw(2, 1.0)
     assert drawn == {0, 1}
     np.testing.assert_allclose(np.exp(logp), np.where(logp > -1.0, 0.5, 0.3), rtol=1e-5)  # untruncated p
-    assert draw(0, 0.75, True)[0] == {0, 1}  # 0.5 + 0.3 reaches 0.75
-    assert draw(0, 0.5, True)[0] == {0}
-    assert draw(3, 0.9, True)[0] == {0, 1, 2}
-    assert draw(0, 1.0, False)[0] == {0, 1, 2, 3}
+    assert draw(0, 0.75)[0] == {0, 1}  # 0.5 + 0.3 reaches 0.75
+    assert draw(0, 0.5)[0] == {0}
+    assert draw(3, 0.9)[0] == {0, 1, 2}
+    assert draw(3, 0.7)[0] == {0, 1}  # top-p over the top-k set
+    assert draw(1, 1.0)[0] == {0}
+    assert draw(0, 1.0)[0] == {0, 1, 2, 3}
+
+
+def test_every_setting_is_a_runtime_value_of_one_program_and_changes_the_draw():
+    """Temperature, top-k, top-p and greedy are arguments: one compile serves them all, and each changes
+    the distribution (a program that ignored one would fail here)."""
+    rng = np.random.default_rng(0)
+    vocab = 3 * TOP_K_CAP  # top-k above the cap takes the sorted path
+    row = rng.normal(size=vocab).astype(np.float32)
+    logits = jnp.asarray(np.tile(row, (4000, 1)))
+    order = np.argsort(-row, kind="stable")
+    choose = jax.jit(lambda *args: choose_tokens(*args))  # its own cache of compiled programs
+
+    def freq(**kw):
+        tokens = np.asarray(choose(logits, None, jax.random.key(1), sampling(vocab, **kw))[0])
+        return np.bincount(tokens, minlength=vocab) / len(tokens)
+
+    def softmax(x):
+        e = np.exp(x - x.max())
+        return e / e.sum()
+
+    np.testing.assert_allclose(freq(), softmax(row), atol=0.02)
+    np.testing.assert_allclose(freq(temperature=0.5), softmax(row / 0.5), atol=0.02)
+    for k in (5, TOP_K_CAP + 10):  # below the cap (lax.top_k) and above it (a sort)
+        f = freq(top_k=k)
+        assert set(np.flatnonzero(f)) <= set(order[:k].tolist())
+        expected = np.zeros(vocab)
+        expected[order[:k]] = softmax(row[order[:k]])
+        np.testing.assert_allclose(f, expected, atol=0.02)
+    p = softmax(row)[order]
+    nucleus = int(np.searchsorted(np.cumsum(p), 0.6) + 1)  # the smallest prefix holding 0.6
+    assert set(np.flatnonzero(freq(top_p=0.6))) <= set(order[:nucleus].tolist())
+    assert freq(greedy=True)[order[0]] == 1.0 and freq(temperature=0.0)[order[0]] == 1.0
+    assert choose._cache_size() == 1
+
+
+def test_the_sampling_mode_is_chosen_on_the_host():
+    assert int(sampling(temperature=0.0, top_k=50).mode) == GREEDY
+    assert int(sampling(greedy=True).mode) == GREEDY and float(sampling(greedy=True).temperature) == 1.0
+    assert int(sampling(temperature=0.7).mode) == PLAIN
+    assert int(sampling(top_k=5, top_p=0.8).mode) == TOP_K
+    assert int(sampling(top_p=0.8).mode) == SORTED
+    assert int(sampling(vocab=1000, top_k=TOP_K_CAP + 1).mode) == SORTED
+    assert int(sampling(vocab=8, top_k=50).top_k) == 8  # capped at the vocabulary: all tokens
+    assert int(sampling(vocab=8, top_k=50).mode) == TOP_K
 
 
 def test_inverse_cdf_sampling_draws_from_the_softmax_and_never_a_masked_token():
@@ -67,16 +120,7 @@ def test_inverse_cdf_sampling_draws_from_the_softmax_and_never_a_masked_token():
 def test_greedy_is_the_argmax_of_the_allowed_tokens():
     logits = jnp.asarray([[0.0, 5.0, 1.0, 2.0]])
     allowed = jnp.asarray([[True, False, True, True]])
-    token, logp = choose_tokens(
-        logits,
-        allowed,
-        jax.random.key(0),
-        jnp.float32(1),
-        jnp.float32(1),
-        greedy=True,
-        top_k=0,
-        use_top_p=False,
-    )
+    token, logp = choose_tokens(logits, allowed, jax.random.key(0), sampling(4, greedy=True))
     assert int(token[0]) == 3
     np.testing.assert_allclose(
         float(logp[0]), float(jax.nn.log_softmax(jnp.asarray([0.0, 1.0, 2.0]))[2]), rtol=1e-6
@@ -84,13 +128,13 @@ def test_greedy_is_the_argmax_of_the_allowed_tokens():
 
 
 # ------------------------------------------------------------------------------------ the token step
-GREEDY = Choice(True, 0, False)
+GREEDY_PARAMS = SamplingParams(greedy=True)
 
 
-def step(logits, table, auto, key, done, *, choice=GREEDY, temperature=1.0):
+def step(logits, table, auto, key, done, *, params=GREEDY_PARAMS):
     return token_step(jnp.asarray(logits, jnp.float32), table, jnp.asarray(auto, jnp.int32), key,
-                      jnp.asarray(done), jnp.float32(temperature), jnp.float32(1.0), choice=choice,
-                      eos_ids=jnp.asarray([EOS], jnp.int32), pad_id=PAD)
+                      jnp.asarray(done), Sampling.of(params, VOCAB), eos_ids=jnp.asarray([EOS], jnp.int32),
+                      pad_id=PAD)
 
 
 def test_the_step_masks_with_the_automaton_state_and_advances_it():
@@ -128,18 +172,13 @@ def test_one_key_per_row_draws_each_row_as_if_it_were_alone():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, VOCAB)), jnp.float32)
     keys = row_keys(jax.random.key(7), jnp.asarray([[1, 2, 3], [4, 5, 6], [1, 2, 3], [9, 9, 9]]),
                     jnp.asarray([0, 0, 1, 0]))
-    sampled = Choice(False, 0, False)
-    together = step(logits, None, [0] * 4, keys, [False] * 4, choice=sampled)
+    sampled = SamplingParams(top_k=6, top_p=0.9)
+    together = step(logits, None, [0] * 4, keys, [False] * 4, params=sampled)
     for i in range(4):
-        alone = step(logits[i:i + 1], None, [0], keys[i:i + 1], [False], choice=sampled)
+        alone = step(logits[i:i + 1], None, [0], keys[i:i + 1], [False], params=sampled)
         assert int(alone.token[0]) == int(together.token[i])
     # Same key path, other token index: another key.
     assert not np.array_equal(jax.random.key_data(keys[0]), jax.random.key_data(keys[2]))
-    draws = {int(step(logits[:1], None, [0], keys[j:j + 1], [False], choice=sampled).token[0])
+    draws = {int(step(logits[:1], None, [0], keys[j:j + 1], [False], params=sampled).token[0])
              for j in range(4)}
     assert len(draws) > 1  # the keys differ, and so do the draws
-
-
-def test_the_compile_time_choice_of_sampling_params():
-    assert Choice.of(SamplingParams(temperature=0.0, top_k=50), vocab_size=16) == Choice(True, 16, False)
-    assert Choice.of(SamplingParams(temperature=0.7, top_p=0.8), vocab_size=16) == Choice(False, 0, True)

@@ -130,3 +130,39 @@ def test_constrained_reflections_are_sampled_under_the_automaton_the_train_step_
     np.testing.assert_allclose(got[mask], packed.sampling_logprobs[mask], atol=2e-5)
     free = np.asarray(step.compute_logprobs(state, step.place_batch(batch.replace(transitions=None))))
     assert (free[mask] < got[mask] - 1e-6).any()  # the replayed automaton is what makes them agree
+
+
+class CountingTokenizer:
+    """The tokenizer, counting its prompt-encoding calls."""
+
+    def __init__(self, tokenizer):
+        self.inner, self.prompt_calls = tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode_prompts(self, texts):
+        self.prompt_calls.append(list(texts))
+        return self.inner.encode_prompts(texts)
+
+
+def test_the_engine_stream_tokenizes_the_prompts_submitted_together_in_one_call(kuhn_llm):
+    from mage_jax.generate.engine import RolloutEngine
+
+    _, tokenizer, sampler, state = kuhn_llm
+    counting = CountingTokenizer(tokenizer)
+    engine = RolloutEngine(sampler, slots=2, max_new_tokens=3, chunk=3)
+    policy = LLMPolicy(counting, sampler, state, SamplingParams(max_new_tokens=3), jax.random.key(0), 6,
+                       engine=engine)
+    stream = policy.stream()
+    requests = [GenerationRequest("BET"), GenerationRequest("PASS " * 50), GenerationRequest("PASS BET"),
+                GenerationRequest("BET", ACTIONS)]
+    for i, request in enumerate(requests):
+        stream.submit(i, request, (i, 0, 0))
+    assert counting.prompt_calls == []  # nothing tokenized before the engine is asked for results
+    out = {}
+    while stream.busy:
+        out.update(stream.collect())
+    assert counting.prompt_calls == [["BET", "PASS " * 50, "PASS BET"]]  # one call, each prompt once
+    assert out[1].skipped and not any(out[i].skipped for i in (0, 2, 3))
+    assert out[3].text in ACTIONS and 1 <= len(out[0].response_ids) <= 3
