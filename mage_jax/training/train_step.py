@@ -280,8 +280,11 @@ class TrainStep:
 
     # ------------------------------------------------------------------ jitted entry points
     def logprobs_program(self) -> Any:
-        """The jitted log-prob recompute, ``(params, batch, adapters)`` with ``adapters`` static
-        (``compute_logprobs`` runs it under the mesh; ``.lower`` it for an ahead-of-time compile)."""
+        """The jitted log-prob recompute, ``(params, batch, adapters)`` with ``adapters`` a traced bool
+        (the policy and a LoRA run's frozen reference share one program; ``compute_logprobs`` runs it
+        under the mesh; ``.lower`` it for an ahead-of-time compile). One compile per batch shape: the
+        trainer's mini-batches are ``optim.mini_batch_rows`` rows (padding rows masked) of a length
+        bucket, so one per length bucket."""
         if self._logprobs is None:
 
             def one(params, batch):
@@ -289,8 +292,10 @@ class TrainStep:
                 return jnp.where(batch.response_mask, logp, 0.0)
 
             def logprobs(params, batch, adapters):
-                if not adapters:
-                    params = lora.without_adapters(params)
+                adapted, base = lora.split_adapters(params)
+                if jax.tree.leaves(adapted):  # off: every adapter matrix zero (``lora.without_adapters``)
+                    off = jax.tree.map(lambda a: jnp.where(adapters, a, jnp.zeros_like(a)), adapted)
+                    params = nnx.merge_state(base, off)
                 # ``micro_batch_rows`` rows at a time, like the update: the [rows, chunk, vocab] logits of
                 # a whole mini-batch would be the largest buffer of the run.
                 rows = batch.tokens.shape[0]
@@ -303,7 +308,7 @@ class TrainStep:
                                         split_micro_batches(batch, micro))
                 return merge_micro_batches(parts)
 
-            self._logprobs = jax.jit(logprobs, static_argnums=2, out_shardings=self._batch_sharding,
+            self._logprobs = jax.jit(logprobs, out_shardings=self._batch_sharding,
                                      compiler_options=train_step_compiler_options())
         return self._logprobs
 
@@ -344,7 +349,7 @@ class TrainStep:
         """
         program = self.logprobs_program()
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
-            return program(params, batch, adapters)
+            return program(params, batch, np.bool_(adapters))
 
     def update(self, state: TrainState, batch: TrainBatch, lr_scale: float = 1.0, *,
                donate: bool = True) -> tuple[TrainState, dict[str, Any]]:

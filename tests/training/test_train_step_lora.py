@@ -13,6 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
+from mage_jax import compile_report
 from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.models import lora
 from mage_jax.models import sharding as shd
@@ -99,7 +100,11 @@ def test_reference_logprobs_with_adapters_off_are_the_base_models(model, step):
     mesh, graphdef, params = model
     state = trained_state(step, params, updates=3)
     placed = step.place_batch(TrainBatch(**batch(1)))
+    policy = np.asarray(step.compute_logprobs(state.params, placed))
+    counter = compile_report.counter()
+    compiled_before = counter.snapshot()
     reference = np.asarray(step.compute_logprobs(state.params, placed, adapters=False))
+    assert (counter.snapshot() - compiled_before).programs == 0  # the policy's program, adapters off
     # The base model: a graph without adapters, fed the trained state's base leaves.
     plain_graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(BASE, rngs=nnx.Rngs(0))))[0]
     plain = make_step(mesh, plain_graphdef)
@@ -108,7 +113,6 @@ def test_reference_logprobs_with_adapters_off_are_the_base_models(model, step):
     # ... and the initial model (B = 0); the policy with its trained adapters differs.
     initial = np.asarray(step.compute_logprobs(params, placed))
     np.testing.assert_allclose(reference, initial, atol=1e-6, rtol=0)
-    policy = np.asarray(step.compute_logprobs(state.params, placed))
     assert np.abs(policy - reference).max() > 1e-3
 
 
