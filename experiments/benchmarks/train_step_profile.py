@@ -69,12 +69,44 @@ def _category(line: str) -> str:
     return "other elementwise"
 
 
-def _part(module: str, line: str, vocab: int, length: int) -> str:
-    """Which part of the step an instruction belongs to, from its program and output shape: the output
-    head (a vocabulary-sized dimension), attention (a [.., queries, keys] score-shaped array), the
-    optimizer program, or the rest of the layers (projections, MLP, norms, rotary, residuals)."""
-    if "apply_fn" in module:
-        return "optimizer program (clip + AdamW + skip)"
+_OPTIMIZER_FUNCTIONS = ("TrainStep._apply_fn", "global_norm", "all_finite")
+"""Where the optimizer half of the fused update is traced (optax's own frames are not recorded: their
+ops carry the frame of ``_apply_fn``, which calls the optimizer)."""
+
+
+def _optimizer_ops(text: str) -> set[str]:
+    """Names of the instructions of one optimised HLO module whose innermost stack frame (the module's
+    ``StackFrames`` / ``FileLocations`` / ``FunctionNames`` tables) lies in the optimizer half of the
+    update."""
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in text.splitlines():
+        if re.fullmatch(r"[A-Z][A-Za-z]+\s*", line):
+            current = tables.setdefault(line.strip(), {})
+        elif current is not None and (row := re.match(r"(\d+) (.*)", line)):
+            current[int(row.group(1))] = row.group(2)
+
+    def ids(table: str, field: str) -> dict[int, int]:
+        return {k: int(m.group(1)) for k, v in tables.get(table, {}).items()
+                if (m := re.search(field + r"=(\d+)", v))}
+
+    functions = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+    locations, frames = ids("FileLocations", "function_name_id"), ids("StackFrames", "file_location_id")
+    ops = set()
+    for found in re.finditer(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*stack_frame_id=(\d+)", text, re.M):
+        function = functions.get(locations.get(frames.get(int(found.group(2)), -1), -1), "")
+        if function.startswith(_OPTIMIZER_FUNCTIONS):
+            ops.add(found.group(1))
+    return ops
+
+
+def _part(op: str, line: str, vocab: int, length: int, optimizer_ops: set[str]) -> str:
+    """Which part of the step an instruction belongs to, from where it was traced and its output shape:
+    the optimizer step (``optimizer_ops``), the output head (a vocabulary-sized dimension), attention
+    (a [.., queries, keys] score-shaped array), or the rest of the layers (projections, MLP, norms,
+    rotary, residuals)."""
+    if op in optimizer_ops:
+        return "optimizer step (clip + AdamW + skip)"
     shape = re.search(r"=\s*\w+\[([\d,]*)\]", line)
     dims = [int(d) for d in shape.group(1).split(",") if d] if shape else []
     if vocab in dims:
@@ -155,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         dump = os.path.join(folder, "hlo")
         dump_flags = (f"--xla_dump_to={dump} --xla_dump_hlo_as_text "
-                      "--xla_dump_hlo_module_re=.*grads_fn.*|.*apply_fn.*")
+                      "--xla_dump_hlo_module_re=.*update_fn.*")
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_TRACE_FLAG} {dump_flags}".strip()
         report = _profile(args, shape, folder, dump)
     return write_model_report("train_step_profile", report, args.out, load_before=load_before)
@@ -177,10 +209,11 @@ def _profile(args: argparse.Namespace, shape: dict[str, Any], folder: str, dump:
         with open(path, encoding="utf-8") as f:
             texts.append(f.read())
     lines = _hlo_lines(texts)
+    optimizer_ops = set().union(*(_optimizer_ops(text) for text in texts))
     for row in our_rows:
         row["hlo"] = lines.get(row["op"], "")[:400]
         row["category"] = _category(row["hlo"])
-        row["part"] = _part(row["module"], row["hlo"], shape["vocab_size"], args.length)
+        row["part"] = _part(row["op"], row["hlo"], shape["vocab_size"], args.length, optimizer_ops)
     our_rows.sort(key=lambda r: -r["seconds"])
     torch_rows.sort(key=lambda r: -r["seconds"])
     report = {

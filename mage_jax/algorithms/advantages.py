@@ -30,6 +30,7 @@ from collections.abc import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mage_jax.algorithms.returns import (
     REWARD_DESIGNS,
@@ -86,15 +87,16 @@ class AdvantageConfig:
         return 0.0 if self.reward_design == "single_episode" else self.gamma_traj
 
     def params(self) -> AdvantageParams:
-        """The config as a pytree of scalars: what the jitted estimators receive."""
-        f32 = lambda x: jnp.asarray(x, jnp.float32)
+        """The config as a pytree of scalars: what the jitted estimators receive. Host (numpy) scalars:
+        device scalars would each cost a conversion program on first use."""
+        f32 = lambda x: np.asarray(x, np.float32)
         return AdvantageParams(
-            differential=jnp.asarray(self.reward_design == "differential"),
+            differential=np.asarray(self.reward_design == "differential"),
             gamma_step=f32(self.gamma_step),
             gamma_traj=f32(self.effective_gamma_traj),
             omega=f32(self.omega),
-            std_norm=jnp.asarray(self.norm == "mean_std_norm"),
-            local_anchor=jnp.asarray(self.anchor == "local"),
+            std_norm=np.asarray(self.norm == "mean_std_norm"),
+            local_anchor=np.asarray(self.anchor == "local"),
             invalid_penalty=f32(self.invalid_penalty),
             length_penalty=f32(self.length_penalty),
             max_response_length=f32(self.max_response_length if self.length_penalty > 0 else 0),

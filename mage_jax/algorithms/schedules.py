@@ -7,14 +7,19 @@ allowed decays without importing the training stack.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import optax
 
 LR_DECAYS = ("constant", "linear", "cosine")
 
 
+@functools.cache
 def learning_rate_schedule(lr: float, warmup_steps: int = 0) -> optax.Schedule:
-    """Constant ``lr`` (the paper), after an optional linear warm-up."""
+    """Constant ``lr`` (the paper), after an optional linear warm-up. One function object per setting
+    (cached): the train step's programs are shared by identity of their schedule
+    (``training.train_step.shared_train_step``)."""
     if warmup_steps <= 0:
         return optax.constant_schedule(lr)
     return optax.join_schedules(

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from mage_jax import config as C
+from mage_jax import host_random
 from mage_jax.evaluation.metrics import compute_metrics
 from mage_jax.evaluation.oracle import KuhnMetaEpisode, kuhn_oracle
 from mage_jax.evaluation.samples import Sample, sample_rows
@@ -225,7 +226,7 @@ class Evaluator:
             # Keys of the built-in splits and of the extra splits are separate streams, so adding a split
             # never changes the numbers of another.
             if name in extra:
-                split_key, offset = jax.random.fold_in(key, 7919 + extra[name]), 0
+                split_key, offset = host_random.fold_in(key, 7919 + extra[name]), 0
             else:
                 split_key, offset = key, 1000 * s_index
             out[name] = self._run_split(name, tasks, runner, params, split_key, offset, stop)
@@ -236,7 +237,7 @@ class Evaluator:
         stream (training pool and seats), played with the evaluation sampling; for checkpoint selection."""
         tasks = self._sampler().sample_validation(self.cfg.train.validation_meta_episodes)
         return self._run_split("validation", tasks, self.parts.eval_runner, params,
-                               jax.random.fold_in(key, 0x5A11D), 0, None)
+                               host_random.fold_in(key, 0x5A11D), 0, None)
 
     def _run_split(self, name: str, tasks: list[Task], runner: Any, params: Any, split_key: jax.Array,
                    offset: int, stop: threading.Event | None) -> SplitResult:
@@ -247,7 +248,7 @@ class Evaluator:
         bar = _SplitBar(progress_bar(total=len(tasks), desc=f"eval:{name}", enabled=self.progress,
                                      leave=False))
         for c_index, start in enumerate(range(0, len(tasks), chunk)):
-            policy = self.parts.policy(params, jax.random.fold_in(split_key, offset + c_index),
+            policy = self.parts.policy(params, host_random.fold_in(split_key, offset + c_index),
                                        evaluation=True)
             bar.start_chunk()
             result = runner.run(tasks[start:start + chunk], policy, training=False, stop=stop,
@@ -306,6 +307,6 @@ def transcripts(parts: EvalParts, params: Any, *, count: int = 4, opponent: str 
     config = dataclasses.replace(base.config, keep_text=True, num_episodes=runner.config.num_episodes)
     text_runner = MetaEpisodeRunner(base.env_name, base.env_options, config)
     tasks = parts.task_sampler.sample_eval(count, opponent=opponent, seat=seat)
-    policy = parts.policy(params, jax.random.key(seed), evaluation=True)
+    policy = parts.policy(params, host_random.key(seed), evaluation=True)
     result: RolloutResult = text_runner.run(tasks, policy, training=False)
     return result.rows

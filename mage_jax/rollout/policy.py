@@ -19,9 +19,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-import jax
 import numpy as np
 
+from mage_jax import host_random
 from mage_jax.generate.constraints import (
     TokenAutomaton,
     WordSequence,
@@ -304,7 +304,7 @@ class LLMPolicy:
         """The engine's continuous-batching stream, or without an engine a lockstep ``BatchStream``."""
         if self.engine is None:
             return BatchStream(self.generate)
-        self.rng, key = jax.random.split(self.rng)
+        self.rng, key = host_random.split(self.rng)
         return EngineStream(self, self.engine.session(self.params_state, self.sampling_params, key))
 
     def _fits(self, ids: Sequence[int], limit: int | None) -> bool:
@@ -356,7 +356,7 @@ class LLMPolicy:
             limits = None
             if any(requests[i].max_new_tokens is not None for i in fits):
                 limits = np.asarray([self._row_limit(requests[i]) for i in fits], dtype=np.int32)
-            self.rng, key = jax.random.split(self.rng)
+            self.rng, key = host_random.split(self.rng)
             out = self.sampler.generate(
                 self.params_state,
                 [prompt_ids[i] for i in fits],

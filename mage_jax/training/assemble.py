@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from mage_jax import config as C
+from mage_jax import host_random
 from mage_jax.algorithms import AdvantageConfig
 from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.envs.base import make_env
@@ -36,7 +37,7 @@ from mage_jax.rollout.policy import LLMPolicy, Policy, RandomLegalPolicy
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 from mage_jax.tokenizer import Tokenizer, TokenizerError
 from mage_jax.training.checkpoint import Checkpointer
-from mage_jax.training.train_step import StepConfig, TrainStep, make_optimizer
+from mage_jax.training.train_step import StepConfig, TrainStep, make_optimizer, shared_train_step
 
 TOKENIZER_DIR = "tokenizer"
 EVAL_MODES = ("meta", "independent")
@@ -322,11 +323,12 @@ def build_model(cfg: C.ExperimentConfig, tokenizer: Tokenizer, mesh: Any) -> tup
 
 
 def make_train_step(cfg: C.ExperimentConfig, graphdef: Any, mesh: Any) -> TrainStep:
-    """The jitted train step of ``cfg.optim`` (AdamW + clipping on its learning-rate schedule)."""
+    """The jitted train step of ``cfg.optim`` (AdamW + clipping on its learning-rate schedule), shared by
+    every run of this process with the same model graph, settings and mesh (its programs compile once)."""
     o = cfg.optim
     schedule = learning_rate_schedule(o.lr, o.warmup_steps)
     optimizer = make_optimizer(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, grad_clip=o.grad_clip)
-    return TrainStep(graphdef, optimizer, schedule, step_config(cfg), mesh)
+    return shared_train_step(graphdef, optimizer, schedule, step_config(cfg), mesh)
 
 
 def sampler_batch_buckets(cfg: C.ExperimentConfig, mesh: Any) -> tuple[int, ...]:
@@ -433,4 +435,4 @@ def make_engine(cfg: C.ExperimentConfig, sampler: Sampler, mesh: Any) -> Rollout
 
 def evaluation_key(base_key: jax.Array, iteration: int) -> jax.Array:
     """The sampling key of the evaluation after ``iteration``: re-evaluating a checkpoint reproduces it."""
-    return jax.random.fold_in(jax.random.fold_in(base_key, iteration), 1)
+    return host_random.fold_in(host_random.fold_in(base_key, iteration), 1)

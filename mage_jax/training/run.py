@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from mage_jax import compile_report
+from mage_jax import compile_report, host_random
 from mage_jax import config as C
 from mage_jax.evaluation.evaluator import EvalProtocol, Evaluator
 from mage_jax.evaluation.plots import Selection
@@ -182,7 +182,7 @@ def evaluate(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, e
     restore_signals = install_stop_signals(stop)
     try:
         results = evaluator.evaluate(parts.init_params if params is None else params,
-                                     jax.random.key(cfg.train.seed) if key is None else key, heldout=True,
+                                     host_random.key(cfg.train.seed) if key is None else key, heldout=True,
                                      stop=stop)
     except Interrupted:
         raise EvaluationInterrupted(

@@ -11,13 +11,19 @@ state keep the partition rules of ``mage_jax.models.sharding``. On one CPU devic
   the *reference* log-probs of the frozen initial model for the KL term.
 * ``update(state, batch)`` -> (new state, metrics): PPO clip / dual-clip loss with the configured
   aggregation, entropy bonus, optional KL to the reference (k3, clamped), gradients, then
-  ``clip_by_global_norm`` + AdamW. A non-finite loss, gradient or updated state (parameters and
-  optimizer moments, one all-finite flag reduced inside the step) skips the update: parameters and
+  ``clip_by_global_norm`` + AdamW, all in one XLA program per mini-batch shape. A non-finite loss,
+  gradient or updated state (parameters and optimizer moments, one all-finite flag reduced inside the
+  step) skips the update: parameters and
   optimizer state are kept (``jnp.where`` over the tree) and ``skipped = 1`` is reported, so a
   non-finite state never leaves the step. So does a finite update that is too large for the
   parameters: ``update_ratio = ||delta|| / ||params||`` (global norms, two reductions) above
   ``max_update_ratio`` (a learning rate of 1e30 gives ~1e31 and parameters that stay finite for one
   update, then diverged sampling; normal runs stay below ~0.05, see ``OptimConfig.max_update_ratio``).
+
+Programs are built once per process: ``shared_train_step`` hands every caller with the same graph,
+optimizer settings, step config and mesh the same ``TrainStep`` (``make_optimizer`` and
+``schedules.learning_rate_schedule`` return one object per setting), so a second run in a process, or a
+test after another, compiles nothing new.
 
 Constrained decoding: when rows were sampled under a token automaton, the recompute replays it
 (``constraints.constraint_masks``) so the log-probs describe the same constrained distribution the
@@ -28,6 +34,7 @@ bounds the ``[R, T, V]`` mask to the short action strings it is meant for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -146,10 +153,12 @@ class TrainState:
     step: jax.Array
 
 
+@functools.cache
 def make_optimizer(
     schedule: optax.Schedule, *, b1: float, b2: float, weight_decay: float, grad_clip: float
 ) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW (docs/method.md §5)."""
+    """Global-norm clipping then AdamW (docs/method.md §5). One object per setting (cached), so that
+    ``shared_train_step`` recognises the same optimizer."""
     return optax.chain(
         optax.clip_by_global_norm(grad_clip),
         optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay),
@@ -192,10 +201,9 @@ class TrainStep:
         self.mesh = mesh
         self._batch_sharding = shd.batch_sharding(mesh)
         self._replicated = shd.replicated(mesh)
-        self._update = None
-        self._copy = None
+        self._programs: dict[Any, tuple[Any, Any, Any]] = {}
         self._logprobs = None
-        self._state_shardings = None
+        self._state_shardings: dict[Any, TrainState] = {}
 
     # ------------------------------------------------------------------ state
     def init_state(self, params: Any) -> TrainState:
@@ -205,17 +213,20 @@ class TrainStep:
             raise ValueError("adapters_only needs a model with LoRA adapters (ModelConfig.lora_rank > 0)")
         opt_state = jax.jit(self.optimizer.init)(self.trainable(params)[0])
         opt_state = jax.device_put(opt_state, shd.opt_state_shardings(opt_state, self.mesh))
-        state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+        state = TrainState(params=params, opt_state=opt_state, step=np.zeros((), np.int32))
         return jax.device_put(state, self.state_shardings(state))
 
     def state_shardings(self, state: TrainState) -> TrainState:
-        if self._state_shardings is None:
-            self._state_shardings = TrainState(
+        """The placement of a state shaped like ``state`` (cached by its tree and leaf shapes)."""
+        leaves, tree = jax.tree.flatten((state.params, state.opt_state))
+        key = (tree, tuple(np.shape(x) for x in leaves))
+        if key not in self._state_shardings:
+            self._state_shardings[key] = TrainState(
                 params=shd.param_shardings(state.params, self.mesh),
                 opt_state=shd.opt_state_shardings(state.opt_state, self.mesh),
                 step=self._replicated,
             )
-        return self._state_shardings
+        return self._state_shardings[key]
 
     # ------------------------------------------------------------------ batches
     def place_batch(self, batch: TrainBatch) -> TrainBatch:
@@ -269,17 +280,22 @@ class TrainStep:
 
     # ------------------------------------------------------------------ jitted entry points
     def logprobs_program(self) -> Any:
-        """The jitted log-prob recompute, ``(params, batch, adapters)`` with ``adapters`` static
-        (``compute_logprobs`` runs it under the mesh; ``.lower`` it for an ahead-of-time compile)."""
+        """The jitted log-prob recompute, ``(params, batch, adapters)`` with ``adapters`` a traced bool
+        (the policy and a LoRA run's frozen reference share one program; ``compute_logprobs`` runs it
+        under the mesh; ``.lower`` it for an ahead-of-time compile). One compile per batch shape: the
+        trainer's mini-batches are ``optim.mini_batch_rows`` rows (padding rows masked) of a length
+        bucket, so one per length bucket."""
         if self._logprobs is None:
 
             def one(params, batch):
                 logp, _ = self._token_logprobs(params, batch)
                 return jnp.where(batch.response_mask, logp, 0.0)
 
-            def fn(params, batch, adapters):
-                if not adapters:
-                    params = lora.without_adapters(params)
+            def logprobs(params, batch, adapters):
+                adapted, base = lora.split_adapters(params)
+                if jax.tree.leaves(adapted):  # off: every adapter matrix zero (``lora.without_adapters``)
+                    off = jax.tree.map(lambda a: jnp.where(adapters, a, jnp.zeros_like(a)), adapted)
+                    params = nnx.merge_state(base, off)
                 # ``micro_batch_rows`` rows at a time, like the update: the [rows, chunk, vocab] logits of
                 # a whole mini-batch would be the largest buffer of the run.
                 rows = batch.tokens.shape[0]
@@ -292,25 +308,38 @@ class TrainStep:
                                         split_micro_batches(batch, micro))
                 return merge_micro_batches(parts)
 
-            self._logprobs = jax.jit(fn, static_argnums=2, out_shardings=self._batch_sharding,
+            self._logprobs = jax.jit(logprobs, out_shardings=self._batch_sharding,
                                      compiler_options=train_step_compiler_options())
         return self._logprobs
 
-    def update_programs(self, shardings: TrainState) -> tuple[Any, Any]:
-        """The two jitted programs of ``update`` for a state placed like ``shardings``: loss and gradients
-        of the trainable parameters (run under the mesh), and the optimizer step with the non-finite
-        and update-size skips (the state donated)."""
-        if self._update is None:
+    def _jitted(self, shardings: TrainState) -> tuple[Any, Any, Any]:
+        """(update, grads, apply) jitted for a state placed like ``shardings``."""
+        key = jax.tree.flatten(shardings)
+        key = (tuple(key[0]), key[1])
+        if key not in self._programs:
             grad_shardings = self.trainable(shardings.params)[0]
             options = train_step_compiler_options()
-            self._grads = jax.jit(self._grads_fn, out_shardings=(grad_shardings, self._replicated),
-                                  compiler_options=options)
-            self._update = jax.jit(self._apply_fn, donate_argnums=(0,),
-                                   out_shardings=(shardings, self._replicated), compiler_options=options)
-            # ``update(donate=False)`` copies the state and donates the copy: the optimizer step
-            # compiles once, and the peak is the same two states a non-donating program would hold.
-            self._copy = jax.jit(lambda state: jax.tree.map(jnp.copy, state), out_shardings=shardings)
-        return self._grads, self._update
+            update = jax.jit(self._update_fn, donate_argnums=(0,),
+                             out_shardings=(shardings, self._replicated), compiler_options=options)
+            grads = jax.jit(self._grads_fn, out_shardings=(grad_shardings, self._replicated),
+                            compiler_options=options)
+            apply = jax.jit(self._apply_fn, donate_argnums=(0,),
+                            out_shardings=(shardings, self._replicated), compiler_options=options)
+            self._programs[key] = (update, grads, apply)
+        return self._programs[key]
+
+    def update_program(self, shardings: TrainState) -> Any:
+        """The jitted ``update`` for a state placed like ``shardings``, ``(state, batch, lr_scale)`` with
+        the state donated: loss, gradients and the optimizer step with the non-finite and update-size
+        skips in one program (run under the mesh; ``.lower`` it for an ahead-of-time compile)."""
+        return self._jitted(shardings)[0]
+
+    def update_programs(self, shardings: TrainState) -> tuple[Any, Any]:
+        """The two halves of ``update_program`` as programs of their own: loss and gradients of the
+        trainable parameters (run under the mesh), and the optimizer step (the state donated). The
+        fused program is their composition (``tests/training/test_train_step.py`` checks both give the
+        same state); the halves serve memory plans (``mage_jax.aot``) that size each part."""
+        return self._jitted(shardings)[1:]
 
     def compute_logprobs(self, params: Any, batch: TrainBatch, *, adapters: bool = True) -> jax.Array:
         """log pi(target) at temperature 1, float32 [R, T] (0 outside the response).
@@ -320,7 +349,7 @@ class TrainStep:
         """
         program = self.logprobs_program()
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
-            return program(params, batch, adapters)
+            return program(params, batch, np.bool_(adapters))
 
     def update(self, state: TrainState, batch: TrainBatch, lr_scale: float = 1.0, *,
                donate: bool = True) -> tuple[TrainState, dict[str, Any]]:
@@ -332,16 +361,22 @@ class TrainStep:
         way, to save it when a stop request lands during the updates); the new state then needs
         buffers of its own.
 
-        Two jitted programs: the loss and gradients (compiled once per mini-batch shape) and the
-        optimizer step with the non-finite skip (shape independent, compiled once), so a new length
-        bucket only recompiles the first.
+        One jitted program per mini-batch shape (``update_program``). ``donate=False`` copies the state
+        first (a device copy, no program) and donates the copy: the peak is the same two states a
+        non-donating program would hold, and no second program is compiled.
         """
-        grads_program, apply_program = self.update_programs(self.state_shardings(state))
-        with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
-            grads, metrics = grads_program(state.params, batch)
+        program = self.update_program(self.state_shardings(state))
         if not donate:
-            state = self._copy(state)
-        return apply_program(state, grads, metrics, jnp.float32(lr_scale))
+            state = jax.device_put(state, may_alias=False)
+        with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
+            return program(state, batch, np.float32(lr_scale))
+
+    def _update_fn(self, state: TrainState, batch: TrainBatch, lr_scale: jax.Array):
+        """Gradients of ``batch`` then the optimizer step: one program. It holds no more than the two
+        halves would: the optimizer state is on the device either way, and the activations are dead
+        before the optimizer runs."""
+        grads, metrics = self._grads_fn(state.params, batch)
+        return self._apply_fn(state, grads, metrics, lr_scale)
 
     def _apply_fn(self, state: TrainState, grads: Any, metrics: dict[str, jax.Array], lr_scale: jax.Array):
         params, frozen = self.trainable(state.params)
@@ -443,6 +478,21 @@ class TrainStep:
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
         return grads, metrics
+
+
+_SHARED: dict[tuple[Any, ...], TrainStep] = {}
+
+
+def shared_train_step(graphdef: Any, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                      config: StepConfig, mesh: Mesh) -> TrainStep:
+    """The process's ``TrainStep`` for these arguments (built on first use): runs, evaluations and tests
+    with the same model graph, optimizer, step config and mesh share its compiled programs. The
+    optimizer and schedule are matched by identity (``make_optimizer`` and ``learning_rate_schedule``
+    return one object per setting), the rest by value."""
+    key = (graphdef, optimizer, schedule, config, mesh)
+    if key not in _SHARED:
+        _SHARED[key] = TrainStep(graphdef, optimizer, schedule, config, mesh)
+    return _SHARED[key]
 
 
 def aggregation_count(mask: jax.Array, mode: str) -> jax.Array:

@@ -54,10 +54,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from mage_jax import compile_report
+from mage_jax import compile_report, host_random
 from mage_jax import config as C
 from mage_jax.algorithms import compute_advantages
 from mage_jax.algorithms.schedules import lr_decay
@@ -76,6 +75,9 @@ from mage_jax.training.assemble import RunParts, advantage_config, evaluation_ke
 from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
 from mage_jax.training.signals import install_stop_signals
 from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows
+
+ADVANTAGE_ROWS = 512
+"""The smallest row count the advantage estimator runs at (padding rows are masked)."""
 
 
 class TrainingStopped(RuntimeError):
@@ -124,11 +126,11 @@ class Trainer:
         # The frozen reference for the KL term is the initial model: a copy (the train state is donated),
         # or under LoRA the frozen base with the adapters off (computed from the train state, no copy).
         self.use_reference = cfg.optim.kl_coef > 0
-        self.ref_params = (jax.tree.map(jnp.copy, self.state.params)
+        self.ref_params = (jax.device_put(self.state.params, may_alias=False)
                            if self.use_reference and not self.step.config.adapters_only else None)
         self.adv_cfg = advantage_config(cfg)
         self.length_buckets = row_length_buckets(cfg)
-        self.base_key = jax.random.key(cfg.train.seed)
+        self.base_key = host_random.key(cfg.train.seed)
         self.checkpointer = checkpointer
         self.best_checkpointer = best_checkpointer
         self.best: tuple[int, float] | None = None
@@ -169,8 +171,8 @@ class Trainer:
         t0 = time.perf_counter()
         compiled_before = compile_report.counter().snapshot()
         tasks = parts.task_sampler.sample_train(iteration - 1)
-        key = jax.random.fold_in(self.base_key, iteration)
-        policy = parts.policy(self.state.params, jax.random.fold_in(key, 0), evaluation=False)
+        key = host_random.fold_in(self.base_key, iteration)
+        policy = parts.policy(self.state.params, host_random.fold_in(key, 0), evaluation=False)
         result = parts.train_runner.run(tasks, policy, training=True, progress=self._rows_progress(iteration),
                                         stop=self._stop)
         t_rollout = time.perf_counter() - t0
@@ -193,7 +195,9 @@ class Trainer:
             return TrainBatch.from_packed(packed, idx, length=length, advantages=advantages,
                                           constrained=packed.constraint_table is not None)
 
-        rows_bucket = 1 << max(len(packed.mask) - 1, 0).bit_length()  # one compile per power of two
+        # One compile per power of two, at least ADVANTAGE_ROWS: the estimator's cost is negligible at
+        # that size, and a run whose row count wanders (the main job: 256 to 512) compiles it once.
+        rows_bucket = max(ADVANTAGE_ROWS, 1 << max(len(packed.mask) - 1, 0).bit_length())
         advantages = np.asarray(compute_advantages(cfg.algorithm.estimator, packed.row_batch(rows_bucket),
                                                    self.adv_cfg))[:len(packed.mask)]
 

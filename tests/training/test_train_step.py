@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mage_jax import compile_report
 from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.generate.constraints import automaton_from_completions
 from mage_jax.models import sharding as shd
@@ -18,9 +19,10 @@ from mage_jax.models.config import ModelConfig
 from mage_jax.training.train_step import (
     StepConfig,
     TrainBatch,
-    TrainStep,
     gather_rows,
     global_norm,
+    make_optimizer,
+    shared_train_step,
 )
 
 V, R, T = 24, 4, 12
@@ -42,12 +44,21 @@ def step(model):
 
 
 def make_step(model, **kwargs):
-    import optax
-
+    """The process's shared step of these settings (``shared_train_step``): tests, and other test
+    files of the same model, reuse its compiled programs."""
     _, mesh, graphdef, _ = model
     schedule = learning_rate_schedule(1e-2)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
-    return TrainStep(graphdef, tx, schedule, StepConfig(chunk_size=5, **kwargs), mesh)
+    tx = make_optimizer(schedule, b1=0.9, b2=0.999, weight_decay=0.0, grad_clip=1.0)
+    return shared_train_step(graphdef, tx, schedule, StepConfig(chunk_size=5, **kwargs), mesh)
+
+
+@functools.cache
+def sgd(lr: float):
+    """Plain SGD on a constant ``lr`` (one object per rate, so steps built on it are shared)."""
+    import optax
+
+    schedule = learning_rate_schedule(lr)
+    return optax.sgd(schedule), schedule
 
 
 def batch(seed=0):
@@ -77,7 +88,7 @@ def test_logprobs_match_a_plain_log_softmax_on_response_tokens(model, step):
 
 def test_update_moves_probability_towards_positive_advantage(model, step):
     _, _, _, params = model
-    state = step.init_state(jax.tree.map(jnp.copy, params))
+    state = step.init_state(jax.device_put(params, may_alias=False))
     b = batch()
     old = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
     b.update(old_logprobs=old, ref_logprobs=old, advantages=np.array([1.0, 1.0, -1.0, 0.0], np.float32))
@@ -99,7 +110,7 @@ def test_update_moves_probability_towards_positive_advantage(model, step):
 
 def test_non_finite_loss_skips_the_update_and_keeps_state(model, step):
     _, _, _, params = model
-    state = step.init_state(jax.tree.map(jnp.copy, params))
+    state = step.init_state(jax.device_put(params, may_alias=False))
     b = batch()
     old = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
     b.update(old_logprobs=old, ref_logprobs=old, advantages=np.array([np.nan, 1.0, 1.0, 1.0], np.float32))
@@ -118,7 +129,7 @@ def test_an_update_that_makes_parameters_non_finite_is_skipped(model, step):
     """Finite loss and gradients, but a step that overflows (an infinite learning-rate scale): the
     all-finite flag of the updated state keeps the old parameters and counts the update skipped."""
     _, _, _, params = model
-    state = step.init_state(jax.tree.map(jnp.copy, params))
+    state = step.init_state(jax.device_put(params, may_alias=False))
     b = batch()
     old = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
     b.update(old_logprobs=old, ref_logprobs=old, advantages=np.array([1.0, 1.0, -1.0, 0.0], np.float32))
@@ -139,7 +150,7 @@ def advantage_batch(step, state):
 
 def test_update_ratio_is_the_size_of_the_parameter_change_relative_to_the_parameters(model, step):
     _, _, _, params = model
-    state = step.init_state(jax.tree.map(jnp.copy, params))
+    state = step.init_state(jax.device_put(params, may_alias=False))
     before = [np.asarray(x, np.float64) for x in jax.tree.leaves(state.params)]
     state, metrics = step.update(state, advantage_batch(step, state))
     after = [np.asarray(x, np.float64) for x in jax.tree.leaves(state.params)]
@@ -154,7 +165,7 @@ def test_a_finite_update_larger_than_max_update_ratio_is_skipped(model, step):
     """A learning rate scaled by 1e28 keeps every number finite (the non-finite check passes), but the
     update is ~1e26 times the parameters: skipped and the state kept; with the check off it is applied."""
     _, _, _, params = model
-    state = step.init_state(jax.tree.map(jnp.copy, params))
+    state = step.init_state(jax.device_put(params, may_alias=False))
     placed = advantage_batch(step, state)
     before = jax.tree.map(np.asarray, state.params)
     state, metrics = step.update(state, placed, lr_scale=1e28)
@@ -175,17 +186,17 @@ def test_global_norm_of_a_huge_tree_does_not_overflow():
 
 
 def test_an_update_without_donation_leaves_the_old_state_intact_computes_the_same_and_compiles_once(
-        model, step, caplog):
+        model, step):
     _, _, _, params = model
-    state = step.init_state(jax.tree.map(jnp.copy, params))
+    state = step.init_state(jax.device_put(params, may_alias=False))
     placed = advantage_batch(step, state)
     before = jax.tree.map(np.asarray, state)
-    step.update(jax.tree.map(jnp.copy, state), placed)  # the donating programs, compiled
-    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
-        kept, _ = step.update(state, placed, donate=False)
-    # The optimizer step is not compiled a second time: the kept update donates a copy of the state.
-    compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
-    assert compiled and not any("_apply_fn" in m for m in compiled), compiled
+    step.update(jax.device_put(state, may_alias=False), placed)  # the donating program, compiled
+    counter = compile_report.counter()
+    compiled_before = counter.snapshot()
+    kept, _ = step.update(state, placed, donate=False)
+    # Nothing is compiled a second time: the kept update donates a copy of the state.
+    assert (counter.snapshot() - compiled_before).programs == 0
     for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(state)):  # still readable, unchanged
         np.testing.assert_array_equal(a, np.asarray(c))
     donated, _ = step.update(state, placed)
@@ -193,10 +204,35 @@ def test_an_update_without_donation_leaves_the_old_state_intact_computes_the_sam
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
+def test_the_fused_update_is_the_gradient_program_then_the_optimizer_program(model, step):
+    """``update`` runs gradients and the optimizer step as one program; the two halves run as programs
+    of their own (the path the fused one replaced) give the same state and metrics."""
+    _, _, _, params = model
+    state = step.init_state(jax.device_put(params, may_alias=False))
+    placed = advantage_batch(step, state)
+    grads_program, apply_program = step.update_programs(step.state_shardings(state))
+    with jax.set_mesh(step.mesh):
+        grads, metrics = grads_program(state.params, placed)
+    split_state, split_metrics = apply_program(jax.device_put(state, may_alias=False), grads, metrics,
+                                               np.float32(0.5))
+    fused_state, fused_metrics = step.update(state, placed, lr_scale=0.5)
+    assert int(fused_state.step) == int(split_state.step) == 1
+    assert fused_metrics.keys() == split_metrics.keys()
+    for name in fused_metrics:
+        np.testing.assert_allclose(float(fused_metrics[name]), float(split_metrics[name]), rtol=1e-6,
+                                   err_msg=name)
+    for a, b in zip(jax.tree.leaves(fused_state), jax.tree.leaves(split_state), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    moved = 0
+    for p0, a in zip(jax.tree.leaves(params), jax.tree.leaves(fused_state.params)):
+        moved += int(not np.array_equal(np.asarray(p0), np.asarray(a)))
+    assert moved > 0
+
+
 def test_kl_term_is_zero_against_itself_and_positive_after_moving(model, step):
     _, _, _, params = model
-    state = step.init_state(jax.tree.map(jnp.copy, params))
-    ref = jax.tree.map(jnp.copy, state.params)
+    state = step.init_state(jax.device_put(params, may_alias=False))
+    ref = jax.device_put(state.params, may_alias=False)
     b = batch()
     logp = np.asarray(step.compute_logprobs(ref, step.place_batch(TrainBatch(**b))))
     b.update(old_logprobs=logp, ref_logprobs=logp, advantages=np.ones(R, np.float32))
@@ -252,7 +288,7 @@ def test_the_entropy_bonus_is_subtracted_from_the_loss(model, step):
     """With zero advantages, before the policy moves from the KL reference, the loss the update
     descends is exactly -entropy_coef x entropy: a bonus (a flipped sign would punish entropy)."""
     _, _, _, params = model
-    state = step.init_state(jax.tree.map(jnp.copy, params))
+    state = step.init_state(jax.device_put(params, may_alias=False))
     b = TrainBatch(**batch())
     old = np.asarray(step.compute_logprobs(state.params, step.place_batch(b)))
     b = b.replace(old_logprobs=old, ref_logprobs=old, advantages=np.zeros(R, np.float32))
@@ -285,31 +321,32 @@ def micro_batch_rows_batch(seed=0):
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_micro_batches_give_the_whole_mini_batch_gradients_and_metrics(model, aggregation):
-    """Gradient accumulation over 2-row micro-batches is the same optimizer step as one pass over the 8
-    rows: with plain SGD (lr 1) the parameter change is the gradient itself, compared leaf by leaf."""
-    import optax
-
+    """Gradient accumulation over 2-row micro-batches gives the gradients and metrics of one pass over
+    the 8 rows, leaf by leaf (the update's gradient half, ``update_programs``: the optimizer step after
+    it is the fused update's, checked against the halves above)."""
     _, mesh, graphdef, params = model
-    schedule = learning_rate_schedule(1.0)
 
     def run(micro_batch_rows):
         config = StepConfig(chunk_size=5, kl_coef=0.1, entropy_coef=0.01, aggregation=aggregation,
                             micro_batch_rows=micro_batch_rows)
-        step = TrainStep(graphdef, optax.sgd(schedule), schedule, config, mesh)
-        state = step.init_state(jax.tree.map(jnp.copy, params))
-        new, metrics = step.update(state, step.place_batch(TrainBatch(**micro_batch_rows_batch())))
-        return jax.tree.map(np.asarray, new.params), {k: float(v) for k, v in metrics.items()}
+        step = shared_train_step(graphdef, *sgd(1.0), config, mesh)
+        state = step.init_state(jax.device_put(params, may_alias=False))
+        grads_program, _ = step.update_programs(step.state_shardings(state))
+        placed = step.place_batch(TrainBatch(**micro_batch_rows_batch()))
+        with jax.set_mesh(mesh):
+            grads, metrics = grads_program(state.params, placed)
+        return jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
 
-    whole_params, whole = run(0)
-    micro_params, micro = run(2)
+    whole_grads, whole = run(0)
+    micro_grads, micro = run(2)
     assert whole["clip_fraction"] > 0 and whole["kl_loss"] > 0 and whole["entropy"] > 0
     assert whole.keys() == micro.keys()
     for name in whole:
         assert micro[name] == pytest.approx(whole[name], rel=1e-5, abs=1e-6), name
-    before = jax.tree.map(np.asarray, params)
-    leaves = zip(jax.tree.leaves(before), jax.tree.leaves(whole_params), jax.tree.leaves(micro_params))
-    for p0, a, c in leaves:
-        np.testing.assert_allclose(p0 - c, p0 - a, rtol=1e-5, atol=1e-6)
+    leaves = list(zip(jax.tree.leaves(whole_grads), jax.tree.leaves(micro_grads), strict=True))
+    assert any(np.abs(a).max() > 0 for a, _ in leaves)
+    for a, c in leaves:
+        np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
@@ -318,13 +355,10 @@ def test_logprob_recompute_over_micro_batches_is_the_whole_batch_recompute(model
     every row back in its place, with or without rematerialised blocks."""
     config, mesh, _, _ = model
     graphdef, params = shd.init_sharded(dataclasses.replace(config, remat=remat), mesh, seed=0)
-    schedule = learning_rate_schedule(1e-3)
 
     def logprobs(micro_batch_rows):
-        import optax
-
         config = StepConfig(chunk_size=5, micro_batch_rows=micro_batch_rows)
-        step = TrainStep(graphdef, optax.sgd(schedule), schedule, config, mesh)
+        step = shared_train_step(graphdef, *sgd(1e-3), config, mesh)
         batch = step.place_batch(TrainBatch(**micro_batch_rows_batch()))
         return np.asarray(step.compute_logprobs(params, batch))
 
@@ -345,6 +379,6 @@ def test_micro_batch_rows_must_divide_the_mini_batch(model):
     ok = C.apply_overrides(C.ExperimentConfig(), {**valid, "optim.micro_batch_rows": 16})
     assert C.validate(ok, check_paths=False).optim.micro_batch_rows == 16
     step = make_step(model, micro_batch_rows=3)
-    state = step.init_state(jax.tree.map(jnp.copy, model[3]))
+    state = step.init_state(jax.device_put(model[3], may_alias=False))
     with pytest.raises(ValueError, match="micro_batch_rows 3 does not divide the mini-batch's 8 rows"):
         step.update(state, step.place_batch(TrainBatch(**micro_batch_rows_batch())))

@@ -7,18 +7,17 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
+from mage_jax import compile_report
 from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.models import lora
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer
-from mage_jax.training.train_step import StepConfig, TrainBatch, TrainStep
+from mage_jax.training.train_step import StepConfig, TrainBatch, make_optimizer, shared_train_step
 from tests.training.test_train_step import V, batch
 
 BASE = ModelConfig.preset("tiny", vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=2,
@@ -36,9 +35,10 @@ def model(request):
 
 
 def make_step(mesh, graphdef, **kwargs):
+    """The process's shared step of these settings (its programs compile once)."""
     schedule = learning_rate_schedule(1e-2)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-    return TrainStep(graphdef, tx, schedule, StepConfig(chunk_size=5, **kwargs), mesh)
+    tx = make_optimizer(schedule, b1=0.9, b2=0.999, weight_decay=0.1, grad_clip=1.0)
+    return shared_train_step(graphdef, tx, schedule, StepConfig(chunk_size=5, **kwargs), mesh)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def flat(tree):
 
 
 def trained_state(step, params, updates=2, micro_batch_rows=0):
-    state = step.init_state(jax.tree.map(jnp.copy, params))
+    state = step.init_state(jax.device_put(params, may_alias=False))
     b = batch()
     old = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
     b.update(old_logprobs=old, ref_logprobs=old, advantages=np.array([1.0, 1.0, -1.0, 0.0], np.float32))
@@ -83,14 +83,14 @@ def test_micro_batched_gradients_also_touch_only_the_adapters(model):
 
 def test_the_optimizer_state_holds_only_adapter_leaves(model, step):
     _, _, params = model
-    state = step.init_state(jax.tree.map(jnp.copy, params))
+    state = step.init_state(jax.device_put(params, may_alias=False))
     arrays = {p: x for p, x in flat(state.opt_state).items() if np.ndim(x) > 0}
     adapters = flat(lora.split_adapters(params)[0])
     # AdamW's two moments mirror exactly the adapters; no moment of any base matrix exists.
     assert len(arrays) == 2 * len(adapters)
     assert all("/lora/lora_" in p for p in arrays)
     assert sum(x.size for x in arrays.values()) == 2 * sum(x.size for x in adapters.values())
-    full = make_step(*model[:2]).init_state(jax.tree.map(jnp.copy, params))  # full fine-tuning, for scale
+    full = make_step(*model[:2]).init_state(jax.device_put(params, may_alias=False))  # full fine-tuning
     assert sum(np.size(x) for x in jax.tree.leaves(full.opt_state)) > 10 * sum(
         x.size for x in arrays.values())
 
@@ -99,7 +99,11 @@ def test_reference_logprobs_with_adapters_off_are_the_base_models(model, step):
     mesh, graphdef, params = model
     state = trained_state(step, params, updates=3)
     placed = step.place_batch(TrainBatch(**batch(1)))
+    policy = np.asarray(step.compute_logprobs(state.params, placed))
+    counter = compile_report.counter()
+    compiled_before = counter.snapshot()
     reference = np.asarray(step.compute_logprobs(state.params, placed, adapters=False))
+    assert (counter.snapshot() - compiled_before).programs == 0  # the policy's program, adapters off
     # The base model: a graph without adapters, fed the trained state's base leaves.
     plain_graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(BASE, rngs=nnx.Rngs(0))))[0]
     plain = make_step(mesh, plain_graphdef)
@@ -108,7 +112,6 @@ def test_reference_logprobs_with_adapters_off_are_the_base_models(model, step):
     # ... and the initial model (B = 0); the policy with its trained adapters differs.
     initial = np.asarray(step.compute_logprobs(params, placed))
     np.testing.assert_allclose(reference, initial, atol=1e-6, rtol=0)
-    policy = np.asarray(step.compute_logprobs(state.params, placed))
     assert np.abs(policy - reference).max() > 1e-3
 
 

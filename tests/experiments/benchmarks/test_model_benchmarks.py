@@ -89,8 +89,8 @@ def test_train_step_profile_splits_both_steps_into_categories(tmp_path):
                     "--out", str(out)], check=True, capture_output=True, timeout=600)
     report = json.loads(out.read_text())
     ours, torch_side = report["ours"], report["torch"]
-    assert {"jit__grads_fn", "jit__apply_fn"} <= set(ours["by_program"])
+    assert "jit__update_fn" in ours["by_program"]  # gradients and optimizer step: one program
     assert ours["by_category"]["matrix products"] > 0 and torch_side["by_category"]["matrix products"] > 0
     assert all(row["hlo"] for row in ours["top"])  # every traced instruction found in the optimised HLO
-    assert {"output head (log-probs, entropy, their gradient)", "optimizer program (clip + AdamW + skip)",
+    assert {"output head (log-probs, entropy, their gradient)", "optimizer step (clip + AdamW + skip)",
             "attention scores / probabilities"} <= set(ours["by_part"])
