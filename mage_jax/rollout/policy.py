@@ -428,7 +428,7 @@ class EngineStream:
                 continue
             self._prepared[tag] = prepared
             self.session.submit(EngineRequest(
-                tag=tag, prompt_ids=tuple(int(t) for t in prepared.prompt_ids), limit=prepared.limit,
+                tag=tag, prompt_ids=tuple(prepared.prompt_ids.tolist()), limit=prepared.limit,
                 automaton=prepared.automaton, key_path=key_path, priority=priority,
             ))
 
