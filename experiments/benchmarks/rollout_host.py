@@ -285,21 +285,25 @@ class StandInEngine(RolloutEngine):
         self.last_stats = None
 
 
-def stand_in_policy(
-    tokenizer: Tokenizer, *, slots: int, chunk: int, chunk_s: float, max_new_tokens: int
-) -> tuple[LLMPolicy, StandInEngine]:
-    """The real ``LLMPolicy`` (tokenization, automata, decoding, ``EngineStream``) over the real engine
-    host code with stand-in device programs."""
-    import jax
-
+def stand_in_engine(tokenizer: Tokenizer, *, slots: int, chunk: int, max_new_tokens: int) -> StandInEngine:
+    """The run's engine (one per run, as in training: its bank and automata outlive a rollout)."""
     sampler = StandInSampler(tokenizer)
-    engine = StandInEngine(
-        sampler, slots=slots, chunk=chunk, chunk_s=chunk_s, max_new_tokens=max_new_tokens,
+    return StandInEngine(
+        sampler, slots=slots, chunk=chunk, chunk_s=0.0, max_new_tokens=max_new_tokens,
         free_tokens=[*tokenizer.encode("<remark> ok </remark>"), sampler.eos_ids[0]],
     )
-    params = SamplingParams(max_new_tokens=max_new_tokens)
-    policy = LLMPolicy(tokenizer, sampler, None, params, jax.random.key(0), engine=engine)
-    return policy, engine
+
+
+def stand_in_policy(tokenizer: Tokenizer, engine: StandInEngine, chunk_s: float) -> LLMPolicy:
+    """The real ``LLMPolicy`` (tokenization, automata, decoding, ``EngineStream``) over the real engine
+    host code with stand-in device programs costing ``chunk_s`` per decode chunk (a policy per rollout,
+    as in training); the stand-in's counters start from zero."""
+    import jax
+
+    kernels = engine.kernels
+    kernels.chunk_s, kernels.device_s, kernels.chunks, kernels.stand_in_s = chunk_s, 0.0, 0, 0.0
+    params = SamplingParams(max_new_tokens=kernels.max_new_tokens)
+    return LLMPolicy(tokenizer, engine.sampler, None, params, jax.random.key(0), engine=engine)
 
 
 # ------------------------------------------------------------------------------------------ environments
@@ -398,20 +402,19 @@ def timed_rollout(
     *,
     workers: int,
     chunk_s: float,
-    slots: int,
-    chunk: int,
+    engine: StandInEngine,
 ) -> dict[str, Any]:
-    """One rollout through the stand-in; its wall time, summed device sleeps, environment time (in process
-    only), decode chunks, rows and insert sizes. Workers are warmed up first on one meta-episode each
-    (started, their imports done), so start-up is not counted."""
+    """One rollout through ``engine`` (a new policy); its wall time, device time, environment time (in
+    process only), decode chunks, rows and the session's ``EngineStats``. Workers are warmed up first on
+    one meta-episode each (started, their imports done), so start-up is not counted."""
     runner = MetaEpisodeRunner(name, options, RUNNER, workers=workers)
     try:
         if workers:
-            warm, _ = stand_in_policy(tokenizer, slots=slots, chunk=chunk, chunk_s=0.0, max_new_tokens=64)
-            runner.run(tasks[:workers], warm, training=True)
-        policy, engine = stand_in_policy(
-            tokenizer, slots=slots, chunk=chunk, chunk_s=chunk_s, max_new_tokens=64
-        )
+            k = engine.kernels  # a throwaway engine, so that ``engine``'s first session is a measured one
+            warm = stand_in_engine(tokenizer, slots=k.num_slots, chunk=k.chunk,
+                                   max_new_tokens=k.max_new_tokens)
+            runner.run(tasks[:workers], stand_in_policy(tokenizer, warm, 0.0), training=True)
+        policy = stand_in_policy(tokenizer, engine, chunk_s)
         with OpTimer() as timer, WaitTimer() as waited:
             started = time.perf_counter()
             result = runner.run(tasks, policy, training=True)
@@ -482,10 +485,12 @@ def bench_env(name: str, args: argparse.Namespace, data_root: Path) -> dict[str,
     chunk_s = args.cpu_chunk_ms / 1e3 / args.speedup
     slow = name in args.workers_envs.split(",")
     workers = args.workers if slow else 0
-    common = dict(slots=args.slots, chunk=args.chunk)
+    # one engine for every rollout of the environment, as in a training run: the first rollout builds the
+    # automata and uploads the bank (its constraint bytes are reported), the timed ones run warm
+    common = dict(engine=stand_in_engine(tokenizer, slots=args.slots, chunk=args.chunk, max_new_tokens=64))
     free = timed_rollout(name, options, tasks, tokenizer, workers=workers, chunk_s=0.0, **common)
     timed = timed_rollout(name, options, tasks, tokenizer, workers=workers, chunk_s=chunk_s, **common)
-    stats = timed["stats"]
+    stats = free["stats"]  # the first rollout of the engine: the bank's uploads included
     out: dict[str, Any] = {
         "env": name,
         "meta_episodes": len(tasks),
@@ -506,6 +511,8 @@ def bench_env(name: str, args: argparse.Namespace, data_root: Path) -> dict[str,
         "constraint_bytes_per_insert": round(stats.constraint_bytes_per_insert, 1),
         "bytes_per_insert": round(stats.bytes_per_insert, 1),
         "constraint_upload_bytes": stats.upload_bytes,
+        "constraint_index_bytes": stats.index_bytes,
+        "constraint_bytes_per_insert_warm": round(timed["stats"].constraint_bytes_per_insert, 1),
         "automata": timed["automata"],
         "inserts": stats.inserts,
     }

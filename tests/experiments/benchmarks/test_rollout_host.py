@@ -21,12 +21,16 @@ def test_benchmark_writes_json_with_shares_rates_and_targets(tmp_path):
         assert 0.0 <= r["host_share"] <= 1.0 and r["requests_per_s"] > 0
         # every chunk sleeps its device time (a loaded machine oversleeps, never undersleeps)
         assert r["decode_chunks"] * r["chunk_ms"] / 1e3 * 0.99 <= r["device_s"] <= r["timed_rollout_s"]
-        # the bytes are the engine's (EngineStats over its ConstraintBank at 151,936 tokens): the bank
-        # uploaded its token -> column map once, and an insert sends indices, so per insert the constraint
-        # bytes stay below one full-vocabulary table row (what a dense table sent with every insert)
+        # the bytes are the engine's (EngineStats over its ConstraintBank at 151,936 tokens): the first
+        # rollout uploads the bank (the token -> column map at full width, once), and every insert sends one
+        # int32 automaton index per target row (8), not a full-vocabulary table per request; a warm bank
+        # uploads nothing more
         assert r["inserts"] >= 1 and r["automata"] >= 2
+        assert r["constraint_index_bytes"] == r["inserts"] * 8 * 4
         assert r["constraint_upload_bytes"] >= QWEN_VOCAB * 4
-        assert 0 < r["constraint_bytes_per_insert"] < QWEN_VOCAB * 4 <= r["constraint_upload_bytes"]
+        per_insert = (r["constraint_index_bytes"] + r["constraint_upload_bytes"]) / r["inserts"]
+        assert r["constraint_bytes_per_insert"] == round(per_insert, 1)
+        assert r["constraint_bytes_per_insert_warm"] == 8 * 4
         assert r["bytes_per_insert"] >= r["constraint_bytes_per_insert"]
     assert sokoban["env_s_in_process"] > 0 and sokoban["stepping_speedup"] > 0
     assert sokoban["env_hidden_fraction"] <= 1.0 and sokoban["workers_env_wait_s"] >= 0
