@@ -72,7 +72,7 @@ from mage_jax.envs.alfworld import write_tiny_alfred_game
 from mage_jax.envs.workers import EnvPool, Reset, Step
 from mage_jax.generate import shapes
 from mage_jax.generate.bank import ConstraintBank
-from mage_jax.generate.engine import RolloutEngine
+from mage_jax.generate.engine import AutomatonCache, RolloutEngine
 from mage_jax.generate.slots import DEFAULT_INSERT_ROWS
 from mage_jax.generate.step import KEY_PATH_LEN, SamplingParams
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
@@ -281,6 +281,7 @@ class StandInEngine(RolloutEngine):
     def __init__(self, sampler: StandInSampler, *, overlap: bool = True, **kernel_options: Any):
         self.sampler, self.overlap = sampler, overlap
         self.bank = ConstraintBank(sampler.vocab_size)
+        self.automata = AutomatonCache()
         self.kernels = SleepKernels(sampler, self.bank, **kernel_options)
         self.last_stats = None
 
@@ -433,6 +434,7 @@ def timed_rollout(
         "rows": len(result.rows),
         "stats": stats,
         "automata": engine.bank.num_automata,
+        "automata_cached": len(engine.automata),
         "invalid_action_ratio": result.stats["invalid_action_ratio"],
     }
 
@@ -514,6 +516,7 @@ def bench_env(name: str, args: argparse.Namespace, data_root: Path) -> dict[str,
         "constraint_index_bytes": stats.index_bytes,
         "constraint_bytes_per_insert_warm": round(timed["stats"].constraint_bytes_per_insert, 1),
         "automata": timed["automata"],
+        "automata_cached": timed["automata_cached"],
         "inserts": stats.inserts,
     }
     if slow:

@@ -26,6 +26,7 @@ def test_benchmark_writes_json_with_shares_rates_and_targets(tmp_path):
         # int32 automaton index per target row (8), not a full-vocabulary table per request; a warm bank
         # uploads nothing more
         assert r["inserts"] >= 1 and r["automata"] >= 2
+        assert r["automata_cached"] == r["automata"] - 1  # the engine's, kept across rollouts
         assert r["constraint_index_bytes"] == r["inserts"] * 8 * 4
         assert r["constraint_upload_bytes"] >= QWEN_VOCAB * 4
         per_insert = (r["constraint_index_bytes"] + r["constraint_upload_bytes"]) / r["inserts"]
