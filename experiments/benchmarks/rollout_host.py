@@ -41,9 +41,12 @@ Reported per environment (JSON):
   batch size;
 * ``stepping_speedup``: resetting and stepping the meta-episodes' environments in lockstep (no model at
   all), in process over with ``--workers`` worker processes;
-* ``constraint_bytes_per_insert`` / ``bytes_per_insert``: the engine's own counters (``EngineStats``) of the
-  timed run at Qwen's 151,936-token vocabulary: automaton indices plus the bank's uploads, amortised over
-  the inserts (``constraint_upload_bytes``: the uploads alone; ``automata``: the bank's distinct automata);
+* ``constraint_bytes_per_insert`` / ``bytes_per_insert``: the engine's own counters (``EngineStats``) at
+  Qwen's 151,936-token vocabulary, of the engine's first rollout (automaton indices plus the bank's
+  uploads, amortised over its inserts; ``constraint_upload_bytes`` / ``constraint_index_bytes`` the two
+  parts, ``automata`` the bank's distinct automata) and of the timed, warm one
+  (``constraint_bytes_per_insert_warm``). One engine serves every rollout of an environment, as in a
+  training run (a new policy per rollout; the automata the engine keeps: ``automata_cached``);
 * ``requests_per_s``: generated rows per second of the timed run.
 
 The targets of issue 29 are checked in ``targets`` (met / not met); the load average is recorded before
