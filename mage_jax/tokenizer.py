@@ -273,7 +273,9 @@ class Tokenizer:
     def encode_prompts(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each prompt with the chat template applied (word-level: BOS + words)."""
         if self.kind == "word_level":
-            return [[self.bos_id, *self.encode(text)] for text in texts]
+            # one batched call of the Rust tokenizer, not one call per prompt
+            encoded = self.backend.encode_batch(list(texts), add_special_tokens=False)
+            return [[self.bos_id, *e.ids] for e in encoded]
         rendered = [self.render_prompt(text) for text in texts]
         # The rendered template already holds every special token; none may be added again.
         return [list(ids) for ids in self.backend(rendered, add_special_tokens=False)["input_ids"]]

@@ -42,6 +42,38 @@ from mage_jax.generate.step import KEY_PATH_LEN, SamplingParams
 from mage_jax.models.sharding import to_host
 
 DEFAULT_CHUNK = 8
+AUTOMATA_CACHE_BYTES = 256 * 2**20  # AutomatonCache's bound: a few hundred states at Qwen's vocabulary
+
+
+class AutomatonCache:
+    """The run's automata by key (the policy's: its tokenizer and allowed completions), kept across the
+    rollouts of one engine. A policy is built per rollout; without this every rollout would build each
+    automaton again at full vocabulary width (600 KB per state at Qwen's 151,936 tokens) and the bank would
+    factorise it again (a new object is a new id to it). Least recently used entries go first once the
+    dense tables held exceed ``max_bytes``."""
+
+    def __init__(self, max_bytes: int = AUTOMATA_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self._entries: dict[Any, TokenAutomaton] = {}
+        self._bytes = 0
+
+    def get(self, key: Any) -> TokenAutomaton | None:
+        found = self._entries.pop(key, None)
+        if found is not None:
+            self._entries[key] = found  # most recently used last
+        return found
+
+    def put(self, key: Any, automaton: TokenAutomaton) -> None:
+        if key in self._entries:
+            return
+        self._entries[key] = automaton
+        self._bytes += automaton.transitions.nbytes
+        while self._bytes > self.max_bytes and len(self._entries) > 1:
+            oldest = next(iter(self._entries))
+            self._bytes -= self._entries.pop(oldest).transitions.nbytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +161,7 @@ class RolloutEngine:
         self.kernels = SlotSampler.shared(sampler, slots=slots, max_new_tokens=max_new_tokens, chunk=chunk,
                                           slot_levels=slot_levels, insert_rows=insert_rows)
         self.bank = ConstraintBank(sampler.vocab_size)  # the run's automata on the device
+        self.automata = AutomatonCache()  # the policies' automata, kept across rollouts
         self.last_stats: EngineStats | None = None  # the counters of the latest session
 
     @property

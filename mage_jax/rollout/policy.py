@@ -275,7 +275,14 @@ class LLMPolicy:
         Completions are tokenized as raw response text (no template, no special tokens); every word of
         a ``WordSequence`` must be one token (the config and the tokenizer build check it).
         """
-        if completions not in self._automata:
+        if completions in self._automata:
+            return self._automata[completions]
+        shared = getattr(self.engine, "automata", None)  # the engine's, kept across rollouts
+        key = (id(self.tokenizer), self.sampler.vocab_size, completions)
+        found = shared.get(key) if shared is not None else None
+        if found is not None:
+            self._automata[completions] = found
+        else:
             vocab, eos = self.sampler.vocab_size, self.sampler.eos_ids
             if isinstance(completions, WordSequence):
                 word_ids = []
@@ -291,6 +298,8 @@ class LLMPolicy:
                 sequences = [self.tokenizer.encode(c) for c in completions]
                 automaton = automaton_from_completions(sequences, vocab, eos)
             self._automata[completions] = automaton
+            if shared is not None:
+                shared.put(key, automaton)
         return self._automata[completions]
 
     def _prompt_limit(self) -> int | None:
@@ -428,7 +437,7 @@ class EngineStream:
                 continue
             self._prepared[tag] = prepared
             self.session.submit(EngineRequest(
-                tag=tag, prompt_ids=tuple(int(t) for t in prepared.prompt_ids), limit=prepared.limit,
+                tag=tag, prompt_ids=tuple(prepared.prompt_ids.tolist()), limit=prepared.limit,
                 automaton=prepared.automaton, key_path=key_path, priority=priority,
             ))
 

@@ -476,3 +476,16 @@ def test_engine_is_the_default_and_lockstep_is_a_switch(tiny_sampler):
         tiny_config("kuhn_poker", engine="fast")
     with pytest.raises(C.ConfigError, match="rollout.engine_chunk"):
         tiny_config("kuhn_poker", engine_chunk=0)
+
+
+def test_automaton_cache_keeps_the_recently_used_automata_within_its_bytes():
+    from mage_jax.generate.constraints import automaton_from_completions
+    from mage_jax.generate.engine import AutomatonCache
+
+    a, b, c = (automaton_from_completions([[t]], 16, 0) for t in (1, 2, 3))  # 3 states x 16 int32 each
+    cache = AutomatonCache(max_bytes=2 * a.transitions.nbytes)
+    cache.put("a", a)
+    cache.put("b", b)
+    assert cache.get("a") is a  # "a" used last: "b" is the oldest now
+    cache.put("c", c)
+    assert len(cache) == 2 and cache.get("b") is None and cache.get("a") is a and cache.get("c") is c

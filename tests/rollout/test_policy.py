@@ -166,3 +166,18 @@ def test_the_engine_stream_tokenizes_the_prompts_submitted_together_in_one_call(
     assert counting.prompt_calls == [["BET", "PASS " * 50, "PASS BET"]]  # one call, each prompt once
     assert out[1].skipped and not any(out[i].skipped for i in (0, 2, 3))
     assert out[3].text in ACTIONS and 1 <= len(out[0].response_ids) <= 3
+
+
+def test_policies_over_one_engine_share_their_automata_so_the_bank_factorises_each_once(kuhn_llm):
+    from mage_jax.generate.engine import RolloutEngine
+
+    _, tokenizer, sampler, state = kuhn_llm
+    engine = RolloutEngine(sampler, slots=2, max_new_tokens=3, chunk=3)
+    first, second = (LLMPolicy(tokenizer, sampler, state, SamplingParams(max_new_tokens=3), jax.random.key(k),
+                               engine=engine) for k in range(2))
+    automaton = first.automaton(ACTIONS)
+    assert second.automaton(ACTIONS) is automaton  # a policy per rollout, the automaton built once per run
+    assert engine.bank.index(automaton) == engine.bank.index(second.automaton(ACTIONS)) == 1
+    alone = LLMPolicy(tokenizer, sampler, state, SamplingParams(max_new_tokens=3), jax.random.key(0))
+    other = alone.automaton(ACTIONS)  # no engine: the policy's own cache, same transitions
+    assert other is not automaton and (other.transitions == automaton.transitions).all()
