@@ -12,7 +12,9 @@ slot state they share; scheduling (which request goes where, prefix sharing, pac
   shard over the batch axes; the targets arrive by device block and each device copies keys and values
   into its own slots only (``_on_blocks``, a ``shard_map``), so a donor slot must lie on its target's
   device. (Copies at global slot indices made XLA hold every target's keys and values of every layer on
-  every device: 332 GB per device for Kuhn Poker ``paper`` on 8 H100, 31 GB now.)
+  every device: 332 GB per device for Kuhn Poker ``paper`` on 8 H100, 31 GB now.) The copies happen
+  layer by layer inside the prefill (a ``models.transformer.KVSink``): a scanned model's prefill into a
+  temporary cache of every layer, copied afterwards, held 4.7 GB more at ``small`` (docs/scaling.md).
 * ``decode``: up to ``chunk`` decode steps of every slot at once, leaving the loop early when every slot
   is done. Each slot writes at its own cache position and attends over its own span
   ``kv_start .. write`` (per-row ``cache_index`` of ``models.transformer``), so a slot that holds a
