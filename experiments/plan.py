@@ -31,8 +31,10 @@ two depths (default 3 and 6) and extrapolated linearly to the model's depth,
 bytes(L) = bytes(6) + (L - 6) x (bytes(6) - bytes(3)) / 3: every decoder block adds the same
 parameters, optimizer state, KV cache and (one block at a time under remat) activations. Single steps of
 depth are not XLA's linear regime (its memory schedule moves by a block's worth from one depth to the
-next), so the slope is taken over three blocks; on Kuhn Poker ``small`` the extrapolation equals a full
-28-layer compile for every program (docs/scaling.md). XLA:CPU computes bfloat16 products in float32
+next), so the slope is taken over three blocks; on Kuhn Poker ``small`` the unrolled extrapolation
+equals a full 28-layer compile for every program (docs/scaling.md; ``--set model.overrides=...``
+replaces a preset's whole ``model.overrides``, its ``remat`` included: repeat the keys to keep).
+XLA:CPU computes bfloat16 products in float32
 and has no flash-attention kernel, so the numbers are an upper bound of what a GPU or TPU compile
 reports. FLOPs are XLA's cost analysis per device; a ``while`` loop body (a decode step) is counted
 once. A from-scratch model (``tiny``) is planned with a 256-token vocabulary (its word-level

@@ -12,7 +12,9 @@ slot state they share; scheduling (which request goes where, prefix sharing, pac
   shard over the batch axes; the targets arrive by device block and each device copies keys and values
   into its own slots only (``_on_blocks``, a ``shard_map``), so a donor slot must lie on its target's
   device. (Copies at global slot indices made XLA hold every target's keys and values of every layer on
-  every device: 332 GB per device for Kuhn Poker ``paper`` on 8 H100, 31 GB now.)
+  every device: 332 GB per device for Kuhn Poker ``paper`` on 8 H100, 31 GB now.) The copies happen
+  layer by layer inside the prefill (a ``models.transformer.KVSink``): a scanned model's prefill into a
+  temporary cache of every layer, copied afterwards, held 4.7 GB more at ``small`` (docs/scaling.md).
 * ``decode``: up to ``chunk`` decode steps of every slot at once, leaving the loop early when every slot
   is done. Each slot writes at its own cache position and attends over its own span
   ``kv_start .. write`` (per-row ``cache_index`` of ``models.transformer``), so a slot that holds a
@@ -70,11 +72,10 @@ from mage_jax.generate.step import (
     KEY_PATH_LEN,
     Sampling,
     SamplingParams,
-    prefill,
     row_keys,
     token_step,
 )
-from mage_jax.models.transformer import KVCache, init_cache, update_by_layer
+from mage_jax.models.transformer import KVCache, KVSink, init_cache, positions_from_mask, update_layer
 
 _NOWHERE = 2**30  # a cache position past any cache: the write is dropped
 DEFAULT_SLOT_LEVELS = 2  # slot buckets: all slots, 1/4 (then 1/16, ...)
@@ -351,10 +352,29 @@ class SlotSampler:
             rows, p = tokens.shape
             if rows % self.ways == 0:
                 tokens, valid = self._constrain(tokens, specs.last), self._constrain(valid, specs.last)
-            temp = init_cache(config, rows, p, sampler.cache_dtype)
-            hidden, temp = prefill(model, tokens, valid, temp)
             copied = donor >= 0
             from_slot = jnp.maximum(donor, 0)
+            gather = (dst, from_slot, copied, src)
+
+            def copy_keys(block, d, f, c, s, x):  # keys [local, Hkv, D, L]: the donor's first P positions
+                return block.at[d, :, :, :p].set(jnp.where(c[:, None, None, None], block[f, :, :, :p], x[s]),
+                                                 mode="drop")
+
+            def copy_values(block, d, f, c, s, x):  # values [local, Hkv, L, D]
+                return block.at[d, :, :p, :].set(jnp.where(c[:, None, None, None], block[f, :, :p, :], x[s]),
+                                                 mode="drop")
+
+            def sink(cache: KVCache, layer, k, v) -> KVCache:
+                # Layer ``layer``'s prompt keys [rows, Hkv, D, P] and values [rows, Hkv, P, D] go straight
+                # into the targets' slots (or a donor's are copied), one layer at a time inside the
+                # prefill's scan: no cache of every layer of the prompt rows is ever held.
+                k, v = k.astype(cache.k[0].dtype), v.astype(cache.v[0].dtype)
+                return update_layer(lambda ck, cv: (
+                    self._on_blocks(copy_keys, ck, specs.cache.k[0], gather, k),
+                    self._on_blocks(copy_values, cv, specs.cache.v[0], gather, v)), config, cache, layer)
+
+            # The sampler's prefill (``step.prefill``) with its keys and values sunk into the slots.
+            hidden, cache = model(tokens, positions_from_mask(valid), valid, sink=KVSink(sink, slots.cache))
 
             held = self._blocks(slots.prompt_hidden, specs.prompt_hidden)
             prompt_hidden = jax.vmap(lambda h, f: h[f])(held, from_slot)
@@ -376,23 +396,6 @@ class SlotSampler:
                 value = value.reshape(src.shape + value.shape[1:])
                 return self._on_blocks(lambda b, d, v: b.at[d].set(v, mode="drop"), array, spec, (dst, value))
 
-            # A scanned model's cache leaves are copied one layer at a time (update_by_layer).
-            def copy_keys(block, d, f, c, s, x):  # keys [local, Hkv, D, L]: the donor's first P positions
-                return update_by_layer(lambda block, x: block.at[d, :, :, :p].set(
-                    jnp.where(c[:, None, None, None], block[f, :, :, :p], x[s]), mode="drop"),
-                    config, block, x)
-
-            def copy_values(block, d, f, c, s, x):  # values [local, Hkv, L, D]
-                return update_by_layer(lambda block, x: block.at[d, :, :p, :].set(
-                    jnp.where(c[:, None, None, None], block[f, :, :p, :], x[s]), mode="drop"),
-                    config, block, x)
-
-            cache = KVCache(
-                k=tuple(self._on_blocks(copy_keys, c, spec, (dst, from_slot, copied, src), x)
-                        for c, x, spec in zip(slots.cache.k, temp.k, specs.cache.k)),
-                v=tuple(self._on_blocks(copy_values, c, spec, (dst, from_slot, copied, src), x)
-                        for c, x, spec in zip(slots.cache.v, temp.v, specs.cache.v)),
-            )
             done = done0 | hit | (length >= flat(limits))
             return Slots(
                 cache=cache,

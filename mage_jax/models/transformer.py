@@ -11,6 +11,7 @@ and padding decision, which keeps this module free of padding policy. No call ta
     hidden, _ = model(tokens[B,T], positions[B,T], segment_ids[B,T])              # self-attention
     hidden, cache = model(tokens, positions, segment_ids, cache, cache_index)     # prefill
     hidden, cache = model(tokens, positions, cache=cache, cache_index=i, kv_start=start[B])  # decode
+    hidden, into = model(tokens, positions, segment_ids, sink=KVSink(write, into))  # prefill into a sink
 
 `cache_index` of a decode call may also be one write position per row, int32[B] (each row of the
 rollout engine's slots sits at its own length); a row whose position lies past the cache writes nothing.
@@ -37,12 +38,15 @@ Two layouts of the blocks, chosen by `ModelConfig.scan_layers`:
   layers folded into the kv-head axis head-major (index h·L + l), so it has the same rows axis, slot axis
   and kv-head sharding as the per-layer arrays (the engine's slot programs treat both alike), and the
   scan carries it whole and writes each layer's new slots in place.
+
+A prefill may hand each layer's keys and values to a `KVSink` instead of a cache (the rollout engine
+copies them straight into its slots): the sink's state rides in the scan's carry and is written one
+layer at a time, so no program holds a cache of every layer of the prompt rows besides its destination.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 
@@ -91,6 +95,17 @@ class KVCache:
         return k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)
 
 
+@dataclasses.dataclass(frozen=True)
+class KVSink:
+    """Where a prefill's keys and values go in place of a cache: after layer `i` has computed the keys
+    k [B, Hkv, D, T] and values v [B, Hkv, T, D] of the T prompt tokens (the cache layout, the compute
+    dtype), `write(into, i, k, v)` returns the new `into` (any pytree; `i` is a Python int for unrolled
+    blocks, a traced int32 under the scan). The prefill returns the final `into` in place of a cache."""
+
+    write: Callable[[object, int | jax.Array, jax.Array, jax.Array], object]
+    into: object
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """A zero cache for `batch` rows of `max_len` slots (dtype defaults to the compute dtype), in the
     layout of `config.scan_layers`."""
@@ -105,27 +120,24 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVC
     )
 
 
-def update_by_layer(update: Callable[..., jax.Array], config: ModelConfig, leaf: jax.Array,
-                    *others: jax.Array) -> jax.Array:
-    """``update(leaf, *others)`` for cache leaves of one layout that lead with rows [S, heads, ...].
-
-    A scanned model's leaves fold every layer into the kv-head axis; they are updated one layer at a time
-    (a ``fori_loop`` over the layers, each step on [S, Hkv, ...] views written back in place), so the
-    gathers and scatters of ``update`` hold one layer's share instead of copies of the whole cache.
-    Per-layer leaves are updated as they are."""
-    layers = config.num_layers if config.scan_layers else 1
-    if layers == 1:
-        return update(leaf, *others)
-
-    def view(a: jax.Array) -> jax.Array:  # [S, Hkv·L, ...] -> [S, Hkv, L, ...] (head-major: a bitcast)
-        return a.reshape(a.shape[0], a.shape[1] // layers, layers, *a.shape[2:])
-
-    def step(i, stacked):
-        pick = functools.partial(jax.lax.dynamic_index_in_dim, index=i, axis=2, keepdims=False)
-        part = update(pick(stacked), *(pick(view(a)) for a in others))
-        return jax.lax.dynamic_update_index_in_dim(stacked, part, i, axis=2)
-
-    return jax.lax.fori_loop(0, layers, step, view(leaf)).reshape(leaf.shape)
+def update_layer(update: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]], config: ModelConfig,
+                 cache: KVCache, layer: int | jax.Array) -> KVCache:
+    """``update(keys, values) -> (keys, values)`` on layer ``layer`` of ``cache`` (either layout): keys
+    [B, Hkv, D, S] and values [B, Hkv, S, D]. A scanned model's layer (``layer`` may be traced) is sliced
+    from the stacked leaves and written back in place, so ``update``'s gathers and scatters hold one
+    layer's share instead of copies of the whole cache; an unrolled model's (``layer`` a Python int) is
+    its own pair of arrays."""
+    if not config.scan_layers:
+        k, v = update(cache.k[layer], cache.v[layer])
+        return KVCache(k=cache.k[:layer] + (k,) + cache.k[layer + 1:],
+                       v=cache.v[:layer] + (v,) + cache.v[layer + 1:])
+    (k,), (v,) = cache.k, cache.v
+    b, _, dim, slots = k.shape
+    heads, n = config.num_kv_heads, config.num_layers
+    stacked = (k.reshape(b, heads, n, dim, slots), v.reshape(b, heads, n, slots, dim))  # head-major: bitcast
+    parts = update(*_read_cache(stacked, layer))
+    new_k, new_v = (jax.lax.dynamic_update_index_in_dim(a, p, layer, axis=2) for a, p in zip(stacked, parts))
+    return KVCache(k=(new_k.reshape(k.shape),), v=(new_v.reshape(v.shape),))
 
 
 # ---------------------------------------------------------------------------- masks and positions
@@ -237,11 +249,12 @@ class Attention(nnx.Module):
             self.k_norm = nnx.data(None)
 
     def __call__(self, x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation: str,
-                 layer: jax.Array | None = None):
+                 layer: jax.Array | None = None, emit_kv: bool = False):
         """-> (output [B,T,H], the updated (keys, values) cache or None).
 
         `kv` is this layer's (keys, values), or with `layer` (the scanned layout) every layer's,
-        [B, Hkv, L, D, S] and [B, Hkv, L, S, D], of which layer `layer` is read and written."""
+        [B, Hkv, L, D, S] and [B, Hkv, L, S, D], of which layer `layer` is read and written. Without a
+        cache, `emit_kv` returns the new keys [B,Hkv,D,T] and values [B,Hkv,T,D] in its place (a sink)."""
         b, t, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q = constrain_rows(self.q_proj(x).reshape(b, t, heads, dim))
@@ -253,6 +266,8 @@ class Attention(nnx.Module):
         if kv is not None:
             kv, this_layer = _write_cache(kv, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), cache_index,
                                           layer)
+        elif emit_kv:
+            kv = (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
         if kv_start is None:  # a prefill reads nothing back from the cache
             out = attn.self_attention(q, k, v, segment_ids, implementation=implementation,
                                       block_size=self.block_size)
@@ -320,9 +335,9 @@ class Block(nnx.Module):
         self.mlp = MLP(config, rngs)
 
     def __call__(self, x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation: str,
-                 layer: jax.Array | None = None):
+                 layer: jax.Array | None = None, emit_kv: bool = False):
         h, kv = self.attn(self.input_norm(x), cos, sin, segment_ids, kv, cache_index, kv_start,
-                          implementation, layer)
+                          implementation, layer, emit_kv)
         x = constrain_rows(x + h)
         x = constrain_rows(x + self.mlp(self.post_attn_norm(x)))
         return x, kv
@@ -402,11 +417,15 @@ class Transformer(nnx.Module):
         cache_index: jax.Array | None = None,
         *,
         kv_start: jax.Array | None = None,
+        sink: KVSink | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """-> (hidden [B,T,H] after the final norm, updated cache or None); see the module docstring."""
+        """-> (hidden [B,T,H] after the final norm, updated cache or None, or with `sink` (a prefill
+        without a cache) the sink's final state); see the module docstring."""
         config = self.config
         b, t = tokens.shape
         _check_call(config, b, t, segment_ids, cache, cache_index, kv_start)
+        if sink is not None and (cache is not None or segment_ids is None):
+            raise ValueError("a KV sink takes a prefill's keys and values: pass segment_ids and no cache")
         if cache is not None:
             cache_index = jnp.asarray(cache_index, jnp.int32)
         implementation = "dense"
@@ -417,50 +436,64 @@ class Transformer(nnx.Module):
         x = constrain_rows(self.embed(tokens).astype(config.jnp_dtype))
         cos, sin = rope_tables(config, positions)
         run = self._scan_blocks if config.scan_layers else self._unrolled_blocks
-        x, cache = run(x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation)
+        x, cache = run(x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation, sink)
         return constrain_rows(self.final_norm(x)), cache
 
-    def _unrolled_blocks(self, x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation):
+    def _unrolled_blocks(self, x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation, sink):
         """The reference path: one block after the other, each with its own cache arrays."""
-        def run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start):
-            return block(x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation)
+        emit = sink is not None
 
-        if self.config.remat != "none" and cache is None:  # only a differentiated forward pass needs it
+        def run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start):
+            return block(x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation, None, emit)
+
+        if self.config.remat != "none" and cache is None and not emit:  # only a differentiated pass needs it
             run_block = nnx.remat(run_block, policy=self.config.remat_policy)
         new_k, new_v = [], []
+        into = None if sink is None else sink.into
         for i, block in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x, kv = run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start)
-            if kv is not None:
+            if emit:
+                into = sink.write(into, i, *kv)
+            elif kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
+        if emit:
+            return x, into
         if cache is not None:
             cache = KVCache(k=tuple(new_k), v=tuple(new_v))
         return x, cache
 
-    def _scan_blocks(self, x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation):
+    def _scan_blocks(self, x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation, sink):
         """The scanned path: one `lax.scan` over the stacked block parameters. The hidden state and the
-        whole cache (viewed [B, Hkv, L, ...]) ride in the carry; layer i writes and reads its slice."""
+        whole cache (viewed [B, Hkv, L, ...]) ride in the carry; layer i writes and reads its slice. With
+        a sink, its state rides in the carry instead and layer i's keys and values are written into it."""
         config = self.config
         graphdef, params = nnx.split(self.layers)
         n, heads = config.num_layers, config.num_kv_heads
+        emit = sink is not None
 
         def body(carry, xs):
-            x, kv = carry
+            x, kv, into = carry
             layer_params, i = xs
             block = nnx.merge(graphdef, layer_params)
-            x, kv = block(x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation,
-                          None if kv is None else i)
-            return (x, kv), None
+            x, new = block(x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation,
+                           None if kv is None else i, emit)
+            if emit:
+                return (x, kv, sink.write(into, i, *new)), None
+            return (x, new, into), None
 
-        if config.remat != "none" and cache is None:  # the policy applies to the scanned body
+        if config.remat != "none" and cache is None and not emit:  # the policy applies to the scanned body
             body = jax.checkpoint(body, policy=config.remat_policy, prevent_cse=False)
         kv = None
         if cache is not None:
             (k,), (v,) = cache.k, cache.v
             b, _, dim, slots = k.shape
             kv = (k.reshape(b, heads, n, dim, slots), v.reshape(b, heads, n, slots, dim))
-        (x, kv), _ = jax.lax.scan(body, (x, kv), (params, jnp.arange(n, dtype=jnp.int32)))
+        into = None if sink is None else sink.into
+        (x, kv, into), _ = jax.lax.scan(body, (x, kv, into), (params, jnp.arange(n, dtype=jnp.int32)))
+        if emit:
+            return x, into
         if cache is not None:
             cache = KVCache(k=(kv[0].reshape(k.shape),), v=(kv[1].reshape(v.shape),))
         return x, cache

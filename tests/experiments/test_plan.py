@@ -3,10 +3,9 @@ bytes per device they need beside the resident state, and a verdict per hardware
 
 The end-to-end run plans the tiny preset (2 layers: compiled at full depth, nothing extrapolated) and
 checks its KV cache against the closed form. ``test_every_pretrained_preset_fits_its_named_hardware``
-plans every ``small``, ``small-lora`` and ``paper`` preset at full width and length (each program
-compiled at 3 and 6 layers and extrapolated linearly to the model's depth); it takes about 20 minutes
-on two cores, so it
-runs when ``MAGE_PLAN_PRESETS=1`` is set (docs/scaling.md has its table).
+plans every ``small``, ``small-lora`` and ``paper`` preset at full width and length (the pretrained
+presets scan their blocks: each program compiled at the model's full depth); it takes about 8 minutes
+on two cores, so it runs when ``MAGE_PLAN_PRESETS=1`` is set (docs/scaling.md has its table).
 """
 
 from __future__ import annotations

@@ -26,7 +26,14 @@ from mage_jax.generate.step import KEY_PATH_LEN, SamplingParams
 from mage_jax.models import lora
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.hf_loading import export_hf, load_hf_params
-from mage_jax.models.transformer import Transformer, init_cache, stack_layers, unstack_layers
+from mage_jax.models.transformer import (
+    KVSink,
+    Transformer,
+    init_cache,
+    stack_layers,
+    unstack_layers,
+    update_layer,
+)
 
 from .conftest import hf_logits
 
@@ -167,6 +174,40 @@ def test_the_scanned_decode_updates_a_donated_cache_in_place(index):
     before = cache.k[0].unsafe_buffer_pointer()
     _, cache = step(state, cache, index)
     assert cache.k[0].unsafe_buffer_pointer() == before
+
+
+def _prefill_and_sink(graphdef, state, tokens, mask, positions):
+    """A prefill into a cache, and the same prefill into a sink that fills a cache layer by layer."""
+    config = nnx.merge(graphdef, state).config
+    b, t = tokens.shape
+
+    def write(into, layer, k, v):
+        return update_layer(lambda ck, cv: (ck.at[..., :t].set(k), cv.at[:, :, :t].set(v)), config, into,
+                            layer)
+
+    @jax.jit
+    def both(state, tokens, positions, mask):
+        m = nnx.merge(graphdef, state)
+        hidden, cache = m(tokens, positions, mask, init_cache(config, b, t), 0)
+        sunk_hidden, sunk = m(tokens, positions, mask, sink=KVSink(write, init_cache(config, b, t)))
+        return hidden, cache, sunk_hidden, sunk
+
+    return both(state, tokens, positions, mask)
+
+
+def test_a_prefill_into_a_kv_sink_hands_over_each_layers_keys_and_values_in_both_layouts():
+    tokens, mask, positions = _batch()
+    for graphdef, state in _pair():
+        heads, layers = CONFIG.num_kv_heads, CONFIG.num_layers
+        hidden, cache, sunk_hidden, sunk = _prefill_and_sink(graphdef, state, tokens, mask, positions)
+        np.testing.assert_array_equal(np.asarray(sunk_hidden), np.asarray(hidden))
+        for i in range(layers):  # every layer handed over, and written at its own index
+            _assert_trees_close(sunk.layer(i, heads), cache.layer(i, heads), atol=0, rtol=0)
+        assert np.abs(np.asarray(cache.layer(layers - 1, heads)[0])).sum() > 0
+    model = nnx.merge(graphdef, state)
+    with pytest.raises(ValueError, match="a KV sink takes a prefill"):
+        model(tokens, positions, cache=init_cache(model.config, 3, 10), cache_index=0,
+              kv_start=jnp.zeros(3, jnp.int32), sink=KVSink(lambda *a: a[0], None))
 
 
 def test_a_cache_of_the_other_layout_is_a_clear_error():
