@@ -211,8 +211,9 @@ def small_cpu_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
     and slot count, so: constrained actions (every play row is one legal ``<action>...</action>``, a few
     tokens, always valid; a small model rarely writes the tag unprompted), no thinking, short
     reflections (48 tokens), prompts up to 768 tokens in three buckets, 8 engine slots,
-    float32 (XLA:CPU has no fast bfloat16 matmul) and no rematerialisation (activations of 768-token
-    rows fit in memory). Training is rank-8 LoRA (the base frozen, the KL reference is the base) on 2
+    float32 (XLA:CPU has no fast bfloat16 matmul). The update rematerialises every block and runs 2-row
+    micro-batches (without remat, 4-row micro-batches of 792-token rows held 13 GB and were killed for
+    memory on a 24 GB machine). Training is rank-8 LoRA (the base frozen, the KL reference is the base) on 2
     tasks x 2 meta-episodes per iteration; evaluation is 32 meta-episodes of the training pool at the
     end only (no held-out split: add ``--train.eval_heldout_meta_episodes N`` for it).
     """
@@ -221,7 +222,6 @@ def small_cpu_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
         **base,
         "model.preset": "qwen3-0.6b",  # architecture, sizes and name come from the folder
         "model.dtype": "float32",
-        "model.overrides": {**base["model.overrides"], "remat": "none"},
         "model.lora_rank": 8,
         "model.lora_alpha": 16.0,
         "tokenizer.enable_thinking": False,
@@ -236,7 +236,7 @@ def small_cpu_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
         "rollout.engine_chunk": 8,
         "optim.lr": 5e-5,
         "optim.mini_batch_rows": 16,
-        "optim.micro_batch_rows": 4,
+        "optim.micro_batch_rows": 2,
         "optim.logprob_chunk": 256,
         "train.iterations": 10,
         "train.eval_every": 0,

@@ -73,7 +73,8 @@ def test_every_environment_has_a_cpu_recipe_for_small_real_models(env, model_dir
     assert r.constrained_actions and not cfg.tokenizer.enable_thinking
     assert r.max_prompt_tokens + r.max_new_tokens <= 1024 and r.reflection_tokens <= 64
     assert len(r.length_buckets) <= 2 and 0 < r.engine_slots <= 8
-    assert cfg.model.lora_rank > 0 and (cfg.model.dtype, cfg.model.overrides["remat"]) == ("float32", "none")
+    assert cfg.model.lora_rank > 0 and (cfg.model.dtype, cfg.model.overrides["remat"]) == ("float32", "full")
+    assert cfg.optim.micro_batch_rows <= 2  # the update's activations of 792-token rows
     assert (cfg.train.eval_meta_episodes, cfg.train.eval_heldout_meta_episodes) == (32, 0)
     small = environment(env).config("small", {"model.path": model_dir})
     assert (r.num_episodes, r.memory_mode, r.max_turns) == (
