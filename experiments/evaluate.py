@@ -14,7 +14,11 @@ meta-episodes. Results go to ``--out-dir`` (alias ``--out``) (default ``<run>/ev
 
 ``--model-path`` evaluates a pretrained model without training: ``--method reflexion`` plays
 meta-episodes with reflections between episodes (the Reflexion baseline), ``--method react`` plays N
-independent attempts without memory (the ReAct baseline); ``--preset small|paper`` picks the scale.
+independent attempts without memory (the ReAct baseline); ``--preset small|small-lora|small-cpu|paper``
+picks the scale (``small-cpu``: a 135M-0.6B model on a CPU, constrained actions, 32 meta-episodes)::
+
+    python -m experiments.evaluate --model-path ~/models/smollm2 --env kuhn_poker --method reflexion \
+        --preset small-cpu
 
 Evaluation keys of the config may be overridden as usual (``--train.eval_meta_episodes 512``,
 ``--sampling.eval.temperature 0.7``); any problem is one ``error:`` line and exit status 2.
@@ -69,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the best validated state (train.validate_every) instead of the latest checkpoint")
     p.add_argument("--env", default="kuhn_poker", help="environment (with --model-path)")
     p.add_argument("--method", choices=ZERO_SHOT_METHODS, default="reflexion", help="zero-shot baseline")
-    p.add_argument("--preset", default="small", help="scale of the zero-shot config (small or paper)")
+    p.add_argument("--preset", default="small",
+                   help="scale of the zero-shot config: small (default), small-lora, small-cpu or paper")
     p.add_argument("--out-dir", "--out", dest="out_dir", default=None,
                    help="output directory (default <run>/eval-<timestamp>, zero-shot runs/<env>_<method>/)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",

@@ -67,11 +67,13 @@ from collections.abc import Sequence
 
 from experiments.common import Preset
 from experiments.presets import (
+    CPU_HARDWARE,
     LORA_HARDWARE,
     PAPER_HARDWARE,
     SMALL_HARDWARE,
     EnvExperiment,
     paper_overrides,
+    small_cpu_overrides,
     small_lora_overrides,
     small_overrides,
 )
@@ -133,6 +135,7 @@ TINY = {
 # Kuhn Poker column of docs/method.md §8; ``paper`` runs in bfloat16 with state sharded over all devices.
 SMALL = {**_MAGE_KUHN, **small_overrides("kuhn_poker", privileged_reflection=True)}
 SMALL_LORA = {**_MAGE_KUHN, **small_lora_overrides("kuhn_poker", privileged_reflection=True)}
+SMALL_CPU = {**_MAGE_KUHN, **small_cpu_overrides("kuhn_poker", privileged_reflection=True)}
 PAPER = {**_MAGE_KUHN, **paper_overrides("kuhn_poker", privileged_reflection=True)}
 
 PRESETS: dict[str, Preset] = {
@@ -141,6 +144,8 @@ PRESETS: dict[str, Preset] = {
                     hardware=SMALL_HARDWARE),
     "small-lora": Preset(SMALL_LORA, "the small preset with LoRA adapters, for one 16 GB GPU (Colab T4)",
                          needs_model_path=True, hardware=LORA_HARDWARE),
+    "small-cpu": Preset(SMALL_CPU, "a 135M-0.6B model from --model-path on a CPU: constrained actions, short "
+                        "reflections, LoRA, minutes", needs_model_path=True, hardware=CPU_HARDWARE),
     "paper": Preset(PAPER, "Qwen3-4B from --model-path, the paper's settings (docs/method.md §8)",
                     needs_model_path=True, hardware=PAPER_HARDWARE),
 }

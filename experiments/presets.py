@@ -10,6 +10,8 @@ Scales (``--preset``):
   full prompts with reflections, reduced batch and lengths: one 24 GB GPU (``SMALL_HARDWARE``).
 * ``small-lora`` — ``small`` with rank-16 LoRA adapters (frozen bfloat16 base), sized for one 16 GB
   Colab GPU (T4, ``LORA_HARDWARE``); see ``small_lora_overrides``.
+* ``small-cpu`` — a 135M-0.6B model from a local folder on a laptop CPU (``small_cpu_overrides``):
+  constrained actions, short reflections, rank-8 LoRA, 32 evaluation meta-episodes; minutes.
 * ``paper`` — Qwen3-4B from a local folder with the paper's settings (docs/method.md §8), parameters
   and optimizer state sharded over all devices (``mesh.fsdp=-1``): a host of 8 H100 80 GB or a TPU
   v5p-8 (``PAPER_HARDWARE``).
@@ -197,6 +199,54 @@ def small_lora_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
     }
 
 
+CPU_HARDWARE = ()
+"""The ``small-cpu`` presets name no accelerator: they are sized by time on a 2-core CPU (docs/results.md)."""
+
+
+def small_cpu_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
+    """A 135M-0.6B pretrained model (``--model-path``) on a laptop CPU: zero-shot evaluation and LoRA
+    training in minutes.
+
+    What the time goes into on a CPU is prefilling prompts and compiling one program per prompt bucket
+    and slot count, so: constrained actions (every play row is one legal ``<action>...</action>``, a few
+    tokens, always valid; a small model rarely writes the tag unprompted), no thinking, short
+    reflections (48 tokens), prompts up to 768 tokens in three buckets, 8 engine slots,
+    float32 (XLA:CPU has no fast bfloat16 matmul). The update rematerialises every block and runs 2-row
+    micro-batches (without remat, 4-row micro-batches of 792-token rows held 13 GB and were killed for
+    memory on a 24 GB machine). Training is rank-8 LoRA (the base frozen, the KL reference is the base) on 2
+    tasks x 2 meta-episodes per iteration; evaluation is 32 meta-episodes of the training pool at the
+    end only (no held-out split: add ``--train.eval_heldout_meta_episodes N`` for it).
+    """
+    base = _pretrained(env, **kwargs)
+    return {
+        **base,
+        "model.preset": "qwen3-0.6b",  # architecture, sizes and name come from the folder
+        "model.dtype": "float32",
+        "model.lora_rank": 8,
+        "model.lora_alpha": 16.0,
+        "tokenizer.enable_thinking": False,
+        "rollout.constrained_actions": True,
+        "rollout.num_tasks": 2,
+        "rollout.group_size": 2,
+        "rollout.max_prompt_tokens": 768,
+        "rollout.length_buckets": [384, 512],
+        "rollout.max_response_tokens": 24,
+        "rollout.max_reflection_tokens": 48,
+        "rollout.engine_slots": 8,
+        "rollout.engine_chunk": 8,
+        "optim.lr": 5e-5,
+        "optim.mini_batch_rows": 16,
+        "optim.micro_batch_rows": 2,
+        "optim.logprob_chunk": 256,
+        "train.iterations": 10,
+        "train.eval_every": 0,
+        "train.eval_meta_episodes": 32,
+        "train.eval_heldout_meta_episodes": 0,
+        "checkpoint.every": 5,
+        "checkpoint.keep": 1,
+    }
+
+
 def paper_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
     """Qwen3-4B with the paper's settings; activations in bfloat16, state sharded over all devices."""
     p = PAPER_SETTINGS[env]
@@ -222,7 +272,7 @@ def paper_overrides(env: str, **kwargs: Any) -> dict[str, Any]:
 
 def scale_presets(env_overrides: Mapping[str, Any], tiny: Mapping[str, Any], env: str,
                   **pretrained_kwargs: Any) -> dict[str, Preset]:
-    """The ``tiny`` / ``small`` / ``small-lora`` / ``paper`` presets of one environment."""
+    """The ``tiny`` / ``small`` / ``small-lora`` / ``small-cpu`` / ``paper`` presets of one environment."""
     return {
         "tiny": Preset({**env_overrides, **tiny},
                        "from-scratch 2-layer model, word-level tokenizer, CPU, minutes"),
@@ -232,6 +282,9 @@ def scale_presets(env_overrides: Mapping[str, Any], tiny: Mapping[str, Any], env
         "small-lora": Preset({**env_overrides, **small_lora_overrides(env, **pretrained_kwargs)},
                              "the small preset with LoRA adapters, for one 16 GB GPU (Colab T4)",
                              needs_model_path=True, hardware=LORA_HARDWARE),
+        "small-cpu": Preset({**env_overrides, **small_cpu_overrides(env, **pretrained_kwargs)},
+                            "a 135M-0.6B model from --model-path on a CPU: constrained actions, short "
+                            "reflections, LoRA, minutes", needs_model_path=True, hardware=CPU_HARDWARE),
         "paper": Preset({**env_overrides, **paper_overrides(env, **pretrained_kwargs)},
                         "Qwen3-4B from --model-path, the paper's settings (docs/method.md §8)",
                         needs_model_path=True, hardware=PAPER_HARDWARE),

@@ -66,15 +66,21 @@ def test_quickstart_trains_plots_per_opponent_and_shows_transcripts(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_pretrained_notebook_evaluates_zero_shot_with_reflections_and_starts_training(
-    tmp_path, monkeypatch, compilation_cache, tiny_hf_model
+def test_pretrained_notebook_runs_smollm2_zero_shot_and_trains_without_a_folder_of_its_own(
+    tmp_path, monkeypatch, compilation_cache, smollm2_folder
 ):
-    nb = _execute("pretrained_zero_shot.ipynb", tmp_path, {"MAGE_MODEL_PATH": tiny_hf_model}, monkeypatch)
+    """No MAGE_MODEL_PATH: the notebook finds the converted SmolLM2-135M-Instruct folder (built by the
+    fixture in the same cache) and runs the small-cpu recipe on it."""
+    monkeypatch.delenv("MAGE_MODEL_PATH", raising=False)
+    nb = _execute("pretrained_zero_shot.ipynb", tmp_path, {}, monkeypatch)
     text = _outputs(nb)
+    assert f"model folder: {smollm2_folder}" in text
     assert "MCTS-100, agent first" in text  # the Tic-Tac-Toe zero-shot table
     assert "--- reflect row" in text or "--- play row" in text
-    assert f"--model-path {tiny_hf_model}" in text
+    assert ">>> <action>" in text  # constrained actions: the real model's play rows are legal actions
+    assert f"--preset small-cpu --model-path {smollm2_folder}" in text
     assert "MAGE on Kuhn Poker: 2 tasks x 2 meta-episodes, differential meta-reward, gigpo" in text
+    assert "LoRA rank 8" in text
     root = next((tmp_path / "runs").glob("zero-shot-*"))
     # the smoke setting trains too: every cell runs
     runs = {p.parent.name for p in root.glob("*/summary.json")}

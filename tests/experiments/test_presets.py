@@ -65,7 +65,24 @@ def test_every_environment_has_a_lora_variant_of_small_for_one_16gb_gpu(env, mod
 
 
 @pytest.mark.parametrize("env", ENVS)
-@pytest.mark.parametrize("preset", ["small", "small-lora", "paper"])
+def test_every_environment_has_a_cpu_recipe_for_small_real_models(env, model_dir):
+    """``small-cpu``: every play row a legal action, no thinking, short reflections and prompts in few
+    buckets, a few engine slots, float32 LoRA, 32 evaluation meta-episodes (docs/results.md measures it)."""
+    cfg = environment(env).config("small-cpu", {"model.path": model_dir})
+    r = cfg.rollout
+    assert r.constrained_actions and not cfg.tokenizer.enable_thinking
+    assert r.max_prompt_tokens + r.max_new_tokens <= 1024 and r.reflection_tokens <= 64
+    assert len(r.length_buckets) <= 2 and 0 < r.engine_slots <= 8
+    assert cfg.model.lora_rank > 0 and (cfg.model.dtype, cfg.model.overrides["remat"]) == ("float32", "full")
+    assert cfg.optim.micro_batch_rows <= 2  # the update's activations of 792-token rows
+    assert (cfg.train.eval_meta_episodes, cfg.train.eval_heldout_meta_episodes) == (32, 0)
+    small = environment(env).config("small", {"model.path": model_dir})
+    assert (r.num_episodes, r.memory_mode, r.max_turns) == (
+        small.rollout.num_episodes, small.rollout.memory_mode, small.rollout.max_turns)
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("preset", ["small", "small-lora", "small-cpu", "paper"])
 def test_pretrained_presets_without_a_model_folder_fail_with_one_line(env, preset):
     with pytest.raises(C.ConfigError) as err:
         environment(env).config(preset)
