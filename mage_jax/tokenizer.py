@@ -340,15 +340,15 @@ _WARNED_NO_THINKING_SWITCH: set[str] = set()
 
 
 def _warn_if_no_thinking_switch(template: str, folder: Path, enable_thinking: bool) -> None:
-    """One ``warning:`` line per folder and process when the template ignores ``enable_thinking``
-    (Llama / SmolLM2 ChatML templates have no such switch; Qwen3's has), so the setting is not
-    silently without effect."""
+    """One ``warning:`` line per folder and process when thinking is asked for and the template has no
+    ``enable_thinking`` switch (Llama / SmolLM2 ChatML templates; Qwen3's has one), so the request is not
+    silently without effect. Thinking off needs no warning: such a template never thinks."""
     key = str(folder.resolve())
-    if "enable_thinking" in template or key in _WARNED_NO_THINKING_SWITCH:
+    if not enable_thinking or "enable_thinking" in template or key in _WARNED_NO_THINKING_SWITCH:
         return
     _WARNED_NO_THINKING_SWITCH.add(key)
     print(f"warning: the chat template of {str(folder)!r} has no thinking switch: "
-          f"tokenizer.enable_thinking={str(enable_thinking).lower()} has no effect on its prompts",
+          "tokenizer.enable_thinking=true has no effect on its prompts (set it to false to silence this)",
           file=sys.stderr)
 
 

@@ -49,19 +49,21 @@ CHATML_WITHOUT_SWITCH = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def test_a_template_without_thinking_switch_warns_once_that_it_has_no_effect(hf_dir, tmp_path, capsys):
+def test_thinking_asked_of_a_template_without_thinking_switch_warns_once(hf_dir, tmp_path, capsys):
     plain = tmp_path / "plain"
     shutil.copytree(hf_dir, plain)
     (plain / "chat_template.jinja").write_text(CHATML_WITHOUT_SWITCH)
     capsys.readouterr()
-    Tokenizer.from_hf_dir(hf_dir, enable_thinking=False)  # Qwen3-style: the switch applies, no warning
+    Tokenizer.from_hf_dir(hf_dir, enable_thinking=True)  # Qwen3-style: the switch applies, no warning
+    assert capsys.readouterr().err == ""
+    tok = Tokenizer.from_hf_dir(plain, enable_thinking=False)  # thinking off: such a template never thinks
+    assert tok.render_prompt("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert capsys.readouterr().err == ""
     for _ in range(2):
-        tok = Tokenizer.from_hf_dir(plain, enable_thinking=False)
-    assert tok.render_prompt("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        Tokenizer.from_hf_dir(plain, enable_thinking=True)
     assert capsys.readouterr().err == (
         f"warning: the chat template of {str(plain)!r} has no thinking switch: "
-        "tokenizer.enable_thinking=false has no effect on its prompts\n")
+        "tokenizer.enable_thinking=true has no effect on its prompts (set it to false to silence this)\n")
 
 
 def test_hf_stop_ids_cover_eos_im_end_and_generation_config(hf_dir):
