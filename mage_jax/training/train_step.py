@@ -362,12 +362,13 @@ class TrainStep:
         buffers of its own.
 
         One jitted program per mini-batch shape (``update_program``). ``donate=False`` copies the state
-        first (a device copy, no program) and donates the copy: the peak is the same two states a
-        non-donating program would hold, and no second program is compiled.
+        first (a device copy, no program, where this process holds every shard; a copy program across
+        processes) and donates the copy: the peak is the same two states a non-donating program would
+        hold.
         """
         program = self.update_program(self.state_shardings(state))
         if not donate:
-            state = jax.device_put(state, may_alias=False)
+            state = _copy(state)
         with jax.set_mesh(self.mesh):  # the model keeps activation rows on the mesh's batch axes
             return program(state, batch, np.float32(lr_scale))
 
@@ -520,3 +521,15 @@ def merge_micro_batches(parts: jax.Array) -> jax.Array:
     """The inverse of ``split_micro_batches`` for one array: ``[n, micro_rows, ...]`` -> ``[R, ...]``."""
     n, micro = parts.shape[:2]
     return jnp.moveaxis(parts, 0, 1).reshape((n * micro,) + parts.shape[2:])
+
+
+_copy_program = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
+def _copy(tree: Any) -> Any:
+    """A copy of ``tree`` in buffers of its own, on the same shardings. ``device_put`` copies without a
+    program but only arrays this process holds entirely; an array spread over several processes (a
+    multi-host mesh) is copied by a program, which keeps its sharding."""
+    if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
+        return jax.device_put(tree, may_alias=False)
+    return _copy_program(tree)

@@ -64,8 +64,9 @@ def test_config_is_hashable_so_it_can_be_a_static_jit_argument():
 @pytest.mark.parametrize("name", ["tiny", "qwen3-8b"])
 def test_hf_config_export_round_trips(name):
     config = ModelConfig.preset(name, vocab_size=1000)
+    # dtypes and the layer layout are this project's choices, not fields of an HF config
     assert ModelConfig.from_hf_config(config.to_hf_config(), param_dtype=config.param_dtype,
-                                      dtype=config.dtype) == config
+                                      dtype=config.dtype, scan_layers=config.scan_layers) == config
 
 
 def test_llama_and_qwen2_switches_follow_the_architecture():
