@@ -1,8 +1,9 @@
 """The host side of a rollout: what is left when the device work costs a set time (or nothing).
 
     python -m experiments.benchmarks.rollout_host [--out runs/benchmarks/rollout_host.json]
-        [--envs kuhn_poker,sokoban,webshop,alfworld] [--meta-episodes 128] [--cpu-chunk-ms 180]
-        [--speedup 50] [--workers 2] [--workers-envs webshop,alfworld]
+        [--envs kuhn_poker,sokoban,webshop,alfworld] [--meta-episodes 128] [--speedup 50]
+        [--cpu-chunk-ms MS] [--cpu-insert-ms MS] [--cpu-move-ms MS] [--calibration-repeats 5]
+        [--workers 2] [--workers-envs webshop,alfworld] [--stepping-repeats 1] [--webshop-products N]
 
 On an accelerator the model's programs get 50-100x faster than on our CPU; the host work (the runner,
 prompt rendering, tokenization, constraint automata, environment stepping) does not. To see that ceiling
@@ -18,29 +19,39 @@ on a CPU, this benchmark runs the real rollout host path with only the device wo
   dispatch) over stand-in device programs (``SleepKernels``, ``SlotSampler``'s interface): an insert does
   the real insert's host work and plans each response as a walk through the request's automaton in the
   bank (a legal action chosen from the key path, as the engine's sampling would be), so the environments
-  see valid moves; a decode chunk books a set time on a device timeline and the engine waits for it when it
-  reads the chunk back, as with JAX's asynchronous dispatch. The model's programs are not run. The
-  sampler's vocabulary is Qwen's 151,936 tokens, so the automata and the bank are built at that width.
+  see valid moves. Every program (insert, decode chunk, packing move) books its own cost on one device
+  timeline, after the programs before it, and its outputs wait for it when the host reads them, as with
+  JAX's asynchronous dispatch. The model's programs are not run. The sampler's vocabulary is Qwen's
+  151,936 tokens, so the automata and the bank are built at that width.
 
-The device cost per decode chunk is ``--cpu-chunk-ms / --speedup``: 180 ms is a decode chunk of the tiny
-model on this CPU (the engine benchmark of ``docs/rollout_engine.md``: 14.0 s for 77 chunks of 8 steps),
-so the default 3.6 ms is "the device part 50x faster than our CPU decode".
+Device costs are "the device part ``--speedup`` times faster than our CPU": each program's CPU time over
+``--speedup``. By default the CPU times are measured (``measure_cpu_costs``) on the engine's real programs
+(``SlotSampler``) of the ``tiny`` preset model (random weights) at this benchmark's shapes: an insert
+(``insert_rows`` prompts) at every prompt bucket the environment's first rollout used, a decode chunk at
+every slot bucket with every slot decoding and the cache an engine for those prompts would have, a move;
+median of ``--calibration-repeats`` runs after one that compiles. A decode chunk costs in proportion to
+the steps it ran; an insert whose every row is copied from a prefix donor prefills nothing and costs
+nothing. ``--cpu-chunk-ms`` / ``--cpu-insert-ms`` / ``--cpu-move-ms`` replace a measurement (one value
+for every bucket; all three: no measurement). Measured and used costs are in the JSON (``cpu_costs``,
+``device_costs``).
 
 Reported per environment (JSON):
 
-* ``host_share``: host time / rollout time in the timed run: rollout time minus the device time of the
-  decode chunks, over the rollout time (with overlap, the time the device sat idle waiting for the host);
+* ``host_share``: host time / rollout time in the timed run: rollout time minus the device time of
+  every program, over the rollout time (with overlap, the time the device sat idle waiting for the host);
   the stand-in's own bookkeeping (planning responses, advancing slots: device work in a real run,
   ``stand_in_s``) is taken out of both;
 * ``env_hidden_fraction`` (the slow environments): the share of environment time hidden behind decoding,
   ``1 - W / E``: ``E`` is the time of every environment operation in the in-process run, ``W`` the time the
-  runner with workers spent blocked on environment replies with nothing decoding, both runs with decode
-  chunks long enough that decoding takes at least as long as stepping (``E`` / the in-process run's
-  chunks). Both rollouts' wall times are reported too: an eagerly resubmitting runner decodes more, smaller
-  chunks, so hiding stepping does not by itself shorten the rollout when a chunk costs the same at any
-  batch size;
+  runner with workers spent blocked on environment replies with nothing decoding, both runs with device
+  costs scaled (``hiding_cost_factor``) so that the device takes at least as long as stepping. Both
+  rollouts' wall times are reported too;
 * ``stepping_speedup``: resetting and stepping the meta-episodes' environments in lockstep (no model at
-  all), in process over with ``--workers`` worker processes;
+  all, ``agent_action``: random legal actions, WebShop's search with the goal's instruction as the query),
+  in process over with ``--workers`` worker processes, median of ``--stepping-repeats`` interleaved runs
+  (every run in ``stepping_runs_s``); WebShop also with a generated catalogue of ``--webshop-products``
+  products (``sized_catalogue``; the shipped one has 100, where a search costs well under a millisecond),
+  with ``search_step_ms``, the median search step;
 * ``constraint_bytes_per_insert`` / ``bytes_per_insert``: the engine's own counters (``EngineStats``) at
   Qwen's 151,936-token vocabulary, of the engine's first rollout (automaton indices plus the bank's
   uploads, amortised over its inserts; ``constraint_upload_bytes`` / ``constraint_index_bytes`` the two
