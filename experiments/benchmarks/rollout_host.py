@@ -30,9 +30,10 @@ Device costs are "the device part ``--speedup`` times faster than our CPU": each
 (``insert_rows`` prompts) at every prompt bucket the environment's first rollout used, a decode chunk at
 every slot bucket with every slot decoding and the cache an engine for those prompts would have, a move;
 median of ``--calibration-repeats`` runs after one that compiles. A decode chunk costs in proportion to
-the steps it ran; an insert whose every row is copied from a prefix donor prefills nothing and costs
-nothing. ``--cpu-chunk-ms`` / ``--cpu-insert-ms`` / ``--cpu-move-ms`` replace a measurement (one value
-for every bucket; all three: no measurement). Measured and used costs are in the JSON (``cpu_costs``,
+the steps it ran (its loop stops when every slot is done); an insert costs its prompt bucket's time even
+when every row copies a prefix donor (the program prefills its fixed rows anyway). ``--cpu-chunk-ms`` /
+``--cpu-insert-ms`` / ``--cpu-move-ms`` replace a measurement (one value for every bucket; all three: no
+measurement). Measured and used costs are in the JSON (``cpu_costs``,
 ``device_costs``).
 
 Reported per environment (JSON):
@@ -397,9 +398,9 @@ class SleepKernels:
             s.finished[slot] = False
             s.done[slot] = len(plan) == 0
             self._settle(slot)
-        # a prefill of the distinct prompts only: an insert that copies every target from donors costs less
-        cost = self.costs.insert(p_bucket) if prompts else 0.0
-        out = self._output(self._book("insert", cost))
+        # the insert program has one shape per prompt bucket: it prefills ``insert_rows`` rows (dummy ones
+        # when every target copies a donor) at the same cost
+        out = self._output(self._book("insert", self.costs.insert(p_bucket)))
         self.stand_in_s += time.perf_counter() - started
         return out
 
