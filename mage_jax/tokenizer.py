@@ -14,6 +14,7 @@ give back canonical action strings exactly (``<action>PASS</action>``, ``(1, 2)`
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import os
@@ -393,3 +394,92 @@ def _hf_stop_ids(hf: Any, folder: Path) -> tuple[int, ...]:
         if token in vocab:
             add(vocab[token])
     return tuple(ids)
+
+
+class PromptEncoder:
+    """``Tokenizer.encode_prompts`` for prompts that extend earlier ones: a meta-episode's prompts share a
+    long, growing prefix (the preamble, the task, the history so far), so with the word-level tokenizer
+    only the text after the longest prefix shared with an earlier prompt is tokenized.
+
+    Why this is exact: the word-level pre-tokenizer first drops runs of spaces and tabs, then splits
+    the rest into tags, numbers, words, single newlines and single other characters, and the
+    vocabulary maps each piece to one id on its own (no normalizer, no merges). No piece spans a space,
+    a tab or a newline, and no pattern looks behind, so cutting the text right after one of them
+    splits its tokens exactly there: ids(a + b) == ids(a) + ids(b). The cut is the last such character
+    inside the shared prefix; the earlier prompt's ids up to the cut are reused (their end offsets say
+    where). The tokenizer's pre-tokenizer and normalizer are checked to be those at construction;
+    any other tokenizer (HF: byte-level BPE merges across spaces) encodes whole texts, as before.
+
+    One per rollout (``LLMPolicy``); it holds at most ``max_prompts`` prompts (then starts over)."""
+
+    _CUTS = (" ", "\t", "\n")
+
+    def __init__(self, tokenizer: Any, max_prompts: int = 4096):
+        self.tokenizer = tokenizer
+        self.max_prompts = max_prompts
+        backend = getattr(tokenizer, "backend", None)
+        self.incremental = (
+            getattr(tokenizer, "kind", None) == "word_level"
+            and backend.normalizer is None
+            and backend.pre_tokenizer is not None
+            and backend.pre_tokenizer.__getstate__() == _word_pre_tokenizer().__getstate__()
+        )
+        self.reused_tokens = 0  # ids taken from earlier prompts instead of tokenized again
+        self._sorted: list[str] = []  # the prompts held, sorted (the best donor of a text is a neighbour)
+        self._held: dict[str, tuple[list[int], list[int]]] = {}  # text -> (ids without BOS, token ends)
+
+    def encode_prompts(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each prompt, equal to ``tokenizer.encode_prompts(texts)``."""
+        if not self.incremental:
+            return self.tokenizer.encode_prompts(texts)
+        cuts = [self._cut(text) for text in texts]
+        encoded = self.tokenizer.backend.encode_batch([t[c:] for t, (c, _) in zip(texts, cuts)],
+                                                      add_special_tokens=False)
+        out = []
+        for text, (cut, head), e in zip(texts, cuts, encoded):
+            ids, ends = head[0] + e.ids, head[1] + [cut + end for _, end in e.offsets]
+            self.reused_tokens += len(head[0])
+            self._hold(text, ids, ends)
+            out.append([self.tokenizer.bos_id, *ids])
+        return out
+
+    def _cut(self, text: str) -> tuple[int, tuple[list[int], list[int]]]:
+        """Where to start tokenizing ``text`` and the reused (ids, ends) before that point."""
+        none: tuple[list[int], list[int]] = ([], [])
+        if not self._sorted:
+            return 0, none
+        i = bisect.bisect_left(self._sorted, text)
+        best, shared = None, 0
+        for j in (i - 1, i):
+            if 0 <= j < len(self._sorted):
+                n = _shared_prefix(self._sorted[j], text)
+                if n > shared:
+                    best, shared = self._sorted[j], n
+        if best is None:
+            return 0, none
+        cut = max(text.rfind(c, 0, shared) for c in self._CUTS) + 1  # right after the last cut character
+        if cut <= 0:
+            return 0, none
+        ids, ends = self._held[best]
+        k = bisect.bisect_right(ends, cut)  # the tokens that end at or before the cut
+        return cut, (ids[:k], ends[:k])
+
+    def _hold(self, text: str, ids: list[int], ends: list[int]) -> None:
+        if text in self._held:
+            return
+        if len(self._held) >= self.max_prompts:
+            self._sorted, self._held = [], {}
+        bisect.insort(self._sorted, text)
+        self._held[text] = (ids, ends)
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (binary search over slice comparisons)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

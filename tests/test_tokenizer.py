@@ -8,8 +8,13 @@ import shutil
 
 import pytest
 
+from mage_jax.envs.alfworld import write_tiny_alfred_game
 from mage_jax.envs.parsing import extract_action
-from mage_jax.tokenizer import Tokenizer, TokenizerError, join_word_pieces
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.policy import RandomLegalPolicy
+from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+from mage_jax.tokenizer import PromptEncoder, Tokenizer, TokenizerError, join_word_pieces
+from tests.optional import require
 from tests.tiny_models import build_bpe_tokenizer
 
 CORPUS = [
@@ -246,3 +251,75 @@ def test_hf_save_hf_writes_a_folder_auto_tokenizer_loads(hf_dir, tmp_path):
     hf = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert hf(CORPUS[0], add_special_tokens=False)["input_ids"] == tok.encode(CORPUS[0])
     assert hf.chat_template == tok.backend.chat_template
+
+
+# ----------------------------------------------------------------------------- incremental prompts
+def environment_prompts(name, tmp_path):
+    """The prompts of a short random-legal rollout of ``name``, in the order the runner made them."""
+    options, opponents = {}, None
+    if name == "alfworld":
+        require("alfworld")
+        require("textworld")
+        for trial in ("trial_T1", "trial_T2"):
+            write_tiny_alfred_game(tmp_path / "json_2.1.1" / "valid_unseen" /
+                                   "pick_and_place_simple-Apple-None-Fridge-1" / trial)
+        options = {"split": "valid_unseen", "data_dir": str(tmp_path)}
+    if name in ("kuhn_poker", "tic_tac_toe"):
+        opponents = {"random": 1} if name == "tic_tac_toe" else {"conservative": 1, "aggressive": 1}
+    tasks = TaskSampler(TaskSamplerConfig(num_tasks=2, group_size=2, opponents=opponents,
+                                          seats="mixed" if opponents else "first")).sample_train(0)
+    config = RunnerConfig(num_episodes=3, constrained_actions=True, memory_mode="history_only", reflect=False,
+                          keep_text=True)
+    rows = MetaEpisodeRunner(name, options, config).run(tasks, RandomLegalPolicy(0), training=False).rows
+    return [r.prompt_text for r in rows]
+
+
+@pytest.mark.parametrize("name", ["kuhn_poker", "tic_tac_toe", "sokoban", "minesweeper", "webshop",
+                                  "alfworld"])
+def test_prompt_encoder_gives_the_whole_text_ids_on_every_environment(name, tmp_path, hf_dir):
+    """A meta-episode's prompts share a growing prefix; the word-level encoder tokenizes only what a prompt
+    adds to the closest earlier one, and its ids are those of tokenizing each whole prompt (a vocabulary
+    from half the prompts, so unknown words occur too). The HF tokenizer (byte-level BPE) encodes whole
+    prompts, the same ids by construction."""
+    prompts = environment_prompts(name, tmp_path)
+    assert len(prompts) >= 6
+    word = Tokenizer.word_level(prompts[::2], vocab_size=4096)
+    for tokenizer in (word, Tokenizer.from_hf_dir(hf_dir)):
+        encoder = PromptEncoder(tokenizer)
+        assert encoder.incremental == (tokenizer.kind == "word_level")
+        got = []
+        for i in range(0, len(prompts), 3):  # batches in rollout order, as the policy sends them
+            got += encoder.encode_prompts(prompts[i:i + 3])
+        whole = tokenizer.encode_prompts(prompts)
+        assert got == whole
+        if encoder.incremental:  # most ids came from earlier prompts
+            assert encoder.reused_tokens > 0.5 * sum(len(ids) for ids in whole[3:])
+
+
+def test_prompt_encoder_cuts_only_after_spaces_tabs_and_newlines(word_tok):
+    """Shared prefixes that end inside a word, a number, a tag or a run of spaces, non-ASCII text, a
+    prompt that is a prefix of another, repeats and an empty prompt: the ids are the whole-text ids."""
+    texts = ["Your card is K.\tLegal:  PASS, BET.\n\n<action>PASS</action> 3.25 √√ board",
+             "Your card is K.\tLegal:  PASS, BET.\n\n<action>PASS</action> 3.5 √ boards",
+             "Your card is K.\tLegal:  PASS, BET.\n\n<act",
+             "Your card is K.\tLegal:  PASS, BET.\n\n<action>BET</action>",
+             "Your card is K.\tLegal:  PA",
+             "Your card is K.\tLegal:   PASS",
+             "Your card is K.\tLegal:  PASS, BET.\n\n<action>PASS</action> 3.25 √√ board",
+             "", "Your card", "\n\n  Your card is Q."]
+    encoder = PromptEncoder(word_tok)
+    assert encoder.incremental
+    got = [ids for text in texts for ids in encoder.encode_prompts([text])]
+    assert got == word_tok.encode_prompts(texts) and encoder.reused_tokens > 0
+
+
+def test_prompt_encoder_encodes_whole_texts_for_another_pre_tokenizer(word_tok):
+    """A word-level tokenizer whose pre-tokenizer is not the built-in one (e.g. a changed saved file) is
+    not assumed to split at spaces: whole texts, as ``encode_prompts``."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import pre_tokenizers
+
+    raw = RawTokenizer.from_str(word_tok.backend.to_str())
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    other = Tokenizer._from_raw_word_level(raw, source=None)
+    assert not PromptEncoder(other).incremental

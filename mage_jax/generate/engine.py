@@ -216,35 +216,44 @@ class EngineSession:
         """Fill the free slots, pack the decoding ones, run one decode chunk when some slot is still
         decoding, and return the requests that finished (in slot order).
 
-        With ``overlap`` (the engine's default) the next chunk of the slots still decoding is dispatched
-        before this returns, so the device decodes while the caller steps environments, tokenizes and
-        submits (JAX dispatch is asynchronous); requests submitted meanwhile join at the chunk after.
+        With ``overlap`` (the engine's default) the next inserts and decode chunk are dispatched before this
+        returns, so the device prefills and decodes while the caller steps environments, tokenizes and
+        submits (JAX dispatch is asynchronous); requests submitted meanwhile are inserted after the chunk
+        in flight and join the chunk after it. The host reads only the finished chunk's slots, before the
+        next insert is dispatched, so it never waits for an insert (an insert donates the slots it gets).
         Responses do not depend on that schedule (each row's keys are its own)."""
-        self._fill()
-        if not self.running:
-            return []
         if self._pending is None:
+            self._fill()
+            if not self.running:
+                return []
             self._dispatch(to_host(self.slots.done))
         done = self._wait()
+        out = self._retire(done)
+        if self.engine.overlap:
+            self._fill()
+            # Every running slot is decoding as far as the host knows: the ones just inserted have not
+            # been read back (one finished by its prefill is a no-op row of the chunk, retired after it).
+            self._dispatch(np.zeros_like(done))
+        return out
+
+    def _retire(self, done: np.ndarray) -> list[EngineResult]:
+        """Free the running slots that ``done`` (the finished chunk's flags) marks and return their
+        results, read from the chunk's slots."""
         ended = sorted(s for s in self.running if done[s])
         if not ended:
-            if self.engine.overlap:
-                self._dispatch(done)
             return []
         # Whole arrays come back (one shape, no gather program per count of finished slots); with several
         # processes every one gathers the slots of the others (to_host), so all take the same decisions.
         lengths, finished = to_host(self.slots.length), to_host(self.slots.finished)
         tokens, logprobs = to_host(self.slots.tokens), to_host(self.slots.logprobs)
-        requests = [self.running.pop(s) for s in ended]
-        self.free.update(ended)
-        if self.engine.overlap:
-            self._dispatch(done)
         out = []
-        for s, request in zip(ended, requests):
+        for s in ended:
+            request = self.running.pop(s)
             n = int(lengths[s])
             self.stats.decode_tokens += max(n - 1, 0)
             out.append(EngineResult(request.tag, tokens[s, :n].copy(), logprobs[s, :n].copy(),
                                     bool(finished[s])))
+        self.free.update(ended)
         return out
 
     def _dispatch(self, done: np.ndarray) -> None:

@@ -29,6 +29,7 @@ from mage_jax.generate.constraints import (
     automaton_from_word_sequence,
 )
 from mage_jax.generate.engine import EngineRequest, EngineSession
+from mage_jax.tokenizer import PromptEncoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,12 +258,13 @@ class LLMPolicy:
         self.engine = engine
         self._automata: dict[tuple[str, ...] | WordSequence, Any] = {}
         self._prompt_cache: dict[str, list[int]] = {}
+        self._prompt_encoder = PromptEncoder(tokenizer)  # tokenizes what a prompt adds to earlier ones
 
     # -- tokens --------------------------------------------------------------------------------
     def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
         missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
         if missing:
-            for p, ids in zip(missing, self.tokenizer.encode_prompts(missing)):
+            for p, ids in zip(missing, self._prompt_encoder.encode_prompts(missing)):
                 self._prompt_cache[p] = list(ids)
         return [self._prompt_cache[p] for p in prompts]
 

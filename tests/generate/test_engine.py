@@ -24,6 +24,7 @@ from experiments.environments import ENVIRONMENTS, environment
 from mage_jax import compile_report
 from mage_jax import config as C
 from mage_jax.envs.alfworld import write_tiny_alfred_game
+from mage_jax.generate import engine as engine_module
 from mage_jax.generate.constraints import automaton_from_completions, automaton_from_word_sequence
 from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
 from mage_jax.generate.sampler import Sampler
@@ -293,6 +294,44 @@ def test_overlapped_decoding_gives_the_synchronous_responses(tiny_sampler, engin
             np.testing.assert_allclose(runs[1][tag].logprobs, runs[0][tag].logprobs, atol=1e-5)
             assert runs[1][tag].finished == runs[0][tag].finished
         assert len(runs[0]) == len(prompts)
+
+
+def test_overlapped_engine_never_waits_for_an_insert(tiny_sampler, monkeypatch):
+    """With overlap the host reads a finished chunk's slots before it dispatches the next inserts, so an
+    insert's prefill runs behind the caller's host work: once a chunk is in flight, no host read touches
+    an insert's output (an insert donates the slots it gets, so reading the chunk's afterwards would fail
+    too). Only a step entered with nothing running (so nothing in flight) reads the inserted slots' flags."""
+    sampler, state = tiny_sampler
+    prompts, limits, automata = mixed_batch()
+    engine = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=3)
+    inserted: dict[int, Any] = {}  # id -> the array (held, so that no id is reused)
+    reads = []
+    insert, to_host = engine.kernels.insert, engine_module.to_host
+
+    def recording_insert(*args, **kwargs):
+        out = insert(*args, **kwargs)
+        inserted.update((id(a), a) for a in (out.done, out.length, out.finished, out.tokens, out.logprobs))
+        return out
+
+    def recording_to_host(x):
+        reads.append(id(x) in inserted)
+        return to_host(x)
+
+    monkeypatch.setattr(engine.kernels, "insert", recording_insert)
+    monkeypatch.setattr(engine_module, "to_host", recording_to_host)
+    session = engine.session(state, SamplingParams(temperature=0.0, max_new_tokens=12), jax.random.key(4))
+    pending = requests_of(prompts, limits, automata)
+    session.submit(pending.pop(0))
+    out, in_flight_inserts = {}, 0
+    while session.busy or pending:
+        idle, before, start = not session.running, len(inserted), len(reads)
+        out.update((r.tag, r) for r in session.step())
+        if not idle:
+            assert not any(reads[start:])
+            in_flight_inserts += len(inserted) > before
+        if pending:
+            session.submit(pending.pop(0))
+    assert len(out) == len(prompts) and in_flight_inserts >= 3 and any(reads)
 
 
 def test_nothing_recompiles_once_warm(tiny_sampler, engines):

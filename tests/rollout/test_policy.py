@@ -133,10 +133,13 @@ def test_constrained_reflections_are_sampled_under_the_automaton_the_train_step_
 
 
 class CountingTokenizer:
-    """The tokenizer, counting its prompt-encoding calls."""
+    """The tokenizer, counting its prompt-encoding calls: ``encode_prompts``, and the word-level backend's
+    batch calls (``PromptEncoder`` sends it the text each prompt adds to earlier ones; all of it for the
+    first prompts)."""
 
     def __init__(self, tokenizer):
         self.inner, self.prompt_calls = tokenizer, []
+        self.backend = CountingBackend(tokenizer.backend, self.prompt_calls)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -144,6 +147,18 @@ class CountingTokenizer:
     def encode_prompts(self, texts):
         self.prompt_calls.append(list(texts))
         return self.inner.encode_prompts(texts)
+
+
+class CountingBackend:
+    def __init__(self, backend, calls):
+        self.inner, self.calls = backend, calls
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode_batch(self, texts, **kwargs):
+        self.calls.append(list(texts))
+        return self.inner.encode_batch(texts, **kwargs)
 
 
 def test_the_engine_stream_tokenizes_the_prompts_submitted_together_in_one_call(kuhn_llm):

@@ -2,15 +2,30 @@
 shares and rates, the constraint bytes of the real engine's bank at Qwen's vocabulary, and a target list."""
 
 import json
+import time
 
-from experiments.benchmarks.rollout_host import QWEN_VOCAB, main
+import numpy as np
+
+from experiments.benchmarks.rollout_host import (
+    QWEN_VOCAB,
+    DeviceCosts,
+    SleepKernels,
+    StandInSampler,
+    main,
+    measure_cpu_costs,
+)
+from mage_jax.generate.bank import ConstraintBank
+from mage_jax.generate.step import KEY_PATH_LEN
+from mage_jax.tokenizer import Tokenizer
 
 
 def test_benchmark_writes_json_with_shares_rates_and_targets(tmp_path):
     out = tmp_path / "bench.json"
     # Sokoban stands in for the slow environments here (its workers start fast; WebShop's build an index)
+    # set device costs (no calibration): a full decode chunk 180 ms, an insert 100 ms, a move 50 ms on the CPU
+    costs = ["--cpu-chunk-ms", "180", "--cpu-insert-ms", "100", "--cpu-move-ms", "50"]
     report = main(["--envs", "kuhn_poker,sokoban", "--workers-envs", "sokoban", "--meta-episodes", "2",
-                   "--speedup", "50", "--out", str(out)])
+                   "--speedup", "50", *costs, "--out", str(out)])
     assert json.loads(out.read_text()) == report
     assert report["load_average_before"] >= 0 and report["load_average_after"] >= 0
     kuhn, sokoban = report["results"]
@@ -19,8 +34,19 @@ def test_benchmark_writes_json_with_shares_rates_and_targets(tmp_path):
     for r in (kuhn, sokoban):
         assert r["rows"] >= r["meta_episodes"] == 2 and r["invalid_action_ratio"] == 0.0
         assert 0.0 <= r["host_share"] <= 1.0 and r["requests_per_s"] > 0
-        # every chunk sleeps its device time (a loaded machine oversleeps, never undersleeps)
-        assert r["decode_chunks"] * r["chunk_ms"] / 1e3 * 0.99 <= r["device_s"] <= r["timed_rollout_s"]
+        # every program books its own device time (a decode chunk in proportion to the steps it ran, an
+        # insert its bucket's), and the rollout waits for them all (a loaded machine oversleeps, never
+        # undersleeps)
+        costs, booked, programs = r["device_costs"], r["device_s_by_program"], r["programs"]
+        assert set(costs["insert_ms_by_prompt_bucket"].values()) == {2.0}  # 100 ms / 50
+        assert costs["decode_chunk_ms_by_slot_bucket"] == {"16": 3.6, "64": 3.6} and costs["move_ms"] == 1.0
+        flags = {"--cpu-chunk-ms", "--cpu-insert-ms", "--cpu-move-ms"}
+        assert set(r["cpu_costs"]["source"].values()) == flags
+        assert programs["decode"] == r["decode_chunks"] >= 1
+        assert 0 < booked["decode"] <= programs["decode"] * 3.6e-3 + 1e-6
+        assert abs(booked["insert"] - programs["insert"] * 2e-3) < 1e-6 and programs["insert"] >= 1
+        assert abs(booked["move"] - programs["move"] * 1e-3) < 1e-6
+        assert sum(booked.values()) * 0.99 - 1e-3 <= r["device_s"] <= r["timed_rollout_s"]
         # the bytes are the engine's (EngineStats over its ConstraintBank at 151,936 tokens): the first
         # rollout uploads the bank (the token -> column map at full width, once), and every insert sends one
         # int32 automaton index per target row (8), not a full-vocabulary table per request; a warm bank
@@ -38,3 +64,38 @@ def test_benchmark_writes_json_with_shares_rates_and_targets(tmp_path):
     names = {(t["env"], t["target"].split()[0]) for t in report["targets"]}
     assert ("kuhn_poker", "host") in names and ("sokoban", "stepping") in names
     assert all(isinstance(t["met"], bool) for t in report["targets"])
+
+
+def test_stand_in_programs_cost_their_own_time_on_one_device_timeline():
+    """An insert costs its prompt bucket's time, a decode chunk its slot bucket's (in proportion to the
+    steps it ran), a move its own; they queue on one device, dispatch does not wait, and reading a
+    program's output waits until the device has run it (like a dispatched JAX array)."""
+    tokenizer = Tokenizer.word_level(["a b c d e f"], vocab_size=64)
+    sampler = StandInSampler(tokenizer, vocab_size=64)
+    costs = DeviceCosts({1: 0.01, 4: 0.02}, {64: 0.03, 128: 0.06}, 0.005)
+    kernels = SleepKernels(sampler, ConstraintBank(64), slots=4, chunk=4, max_new_tokens=8,
+                           free_tokens=[5, 6, 7, 8, 9, 10], costs=costs, slot_levels=2)
+    assert kernels.slot_buckets == (1, 4)
+    slots = kernels.empty()
+    started = time.perf_counter()
+    slots = kernels.insert(None, slots, [[2] * 100], [0, 0], [0, 1], [6, 6], [0, 0],
+                           np.zeros((2, KEY_PATH_LEN), np.int32), None, None)
+    slots, steps = kernels.decode(None, slots, None, None, None, 4)
+    moved = kernels.move(slots, [(1, 2)])
+    assert time.perf_counter() - started < 0.03  # nothing waited
+    assert kernels.device_s == {"insert": 0.06, "decode": 0.02, "move": 0.005}  # bucket 128, 4 steps of 4
+    assert kernels.prompt_buckets_seen == {128}
+    assert int(steps) == 4 and time.perf_counter() - started >= 0.08
+    assert np.asarray(moved.done).tolist() == [False, True, False, True]
+    assert time.perf_counter() - started >= 0.085
+    slots, steps = kernels.decode(None, moved, None, None, None, 1)  # one slot left, 1 step of 4
+    assert int(steps) == 1 and kernels.device_s["decode"] == 0.02 + 0.01 / 4
+
+
+def test_cpu_costs_are_measured_on_the_real_programs():
+    """The default costs time the tiny model's insert at every prompt bucket, its decode chunk at every
+    slot bucket and its move (compiled first), with the cache the engine would have."""
+    costs, shapes = measure_cpu_costs([16, 32], slots=4, chunk=2, max_new_tokens=4, repeats=1)
+    assert sorted(costs.insert_s) == [16, 32] and sorted(costs.decode_s) == [1, 4] == shapes["slot_buckets"]
+    assert all(t > 0 for t in [*costs.insert_s.values(), *costs.decode_s.values(), costs.move_s])
+    assert shapes["cache_len"] == 32 + 4 and shapes["insert_rows"] == 4
