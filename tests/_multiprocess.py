@@ -24,6 +24,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from tests.xla_env import with_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -76,7 +78,7 @@ def run_groups(groups: Sequence[Group], timeout: float = 600, *, check: bool = T
                     PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                     JAX_PLATFORMS="cpu",
                     JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
-                    XLA_FLAGS=f"--xla_force_host_platform_device_count={group.devices_per_process}",
+                    XLA_FLAGS=with_flags(f"--xla_force_host_platform_device_count={group.devices_per_process}"),
                 )
                 if group.n > 1:
                     env.update(MAGE_DISTRIBUTED="1", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",

@@ -1,4 +1,5 @@
-"""Suite-wide: a persistent compilation cache, the collection order (files with a test marked
+"""Suite-wide: the XLA flags (``tests/xla_env.py``: LLVM's optimisation of the tiny programs off), a
+persistent compilation cache, the collection order (files with a test marked
 ``slow`` come first) and the real-model fixture.
 
 The cache: most of the suite's time is XLA compiling the same programs as the last run did, so the
@@ -21,6 +22,9 @@ import os
 import pytest
 
 from mage_jax import compilation_cache
+from tests.xla_env import suite_flags, with_flags
+
+os.environ["XLA_FLAGS"] = with_flags(suite_flags())  # before anything starts XLA (tests/xla_env.py)
 
 TEST_CACHE_VAR = "MAGE_TEST_COMPILATION_CACHE"
 DEFAULT_TEST_CACHE = os.path.join(os.path.dirname(compilation_cache.default_dir()), "jax-tests")

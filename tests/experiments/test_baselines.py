@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments import baselines
+from experiments import baselines, evaluate
 from experiments.baselines import METHODS, PAPER_TABLE1, method_config
 from mage_jax import config as C
 
@@ -86,3 +86,22 @@ def test_react_baseline_evaluates_without_training_or_checkpoint(tmp_path, compi
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["iterations"] == 0 and set(summary["evaluation"]) == {"eval", "heldout"}
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_a_model_folder_is_evaluated_zero_shot_from_the_command_line_with_the_small_cpu_recipe(
+    tiny_hf_model, compilation_cache, tmp_path, capsys
+):
+    """``experiments.evaluate --model-path``: the recipe's command (docs/results.md) on a tiny random folder;
+    the real model's zero-shot evaluation runs in ``test_small_cpu.py`` (through the notebook)."""
+    out = tmp_path / "eval"
+    argv = ["--model-path", tiny_hf_model, "--env", "kuhn_poker", "--method", "reflexion",
+            "--preset", "small-cpu", "--out-dir", str(out)]
+    for setting in ("train.eval_meta_episodes=2", "train.eval_num_episodes=2", "logging.progress=false",
+                    "logging.plots=false"):
+        argv += ["--set", setting]
+    assert evaluate.main(argv) == 0
+    assert "training pool" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"]["path"] == tiny_hf_model and config["rollout"]["constrained_actions"]
+    metrics = json.loads((out / "summary.json").read_text())["evaluation"]["eval"]["metrics"]
+    assert metrics["num_meta_episodes"] == 2 and metrics["valid_action_ratio"] == 1.0

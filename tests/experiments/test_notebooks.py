@@ -4,42 +4,14 @@ from __future__ import annotations
 
 import os
 import tomllib
-from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 
-from tests.optional import require
+from tests.experiments.notebook_runs import NOTEBOOKS, execute, images, nbclient, nbformat, outputs
 
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 PYPROJECT = tomllib.loads((NOTEBOOKS.parent / "pyproject.toml").read_text())
 BOUNDS = {Requirement(r).name: str(Requirement(r).specifier) for r in PYPROJECT["project"]["dependencies"]}
-
-nbformat = require("nbformat")
-nbclient = require("nbclient")
-
-
-def _execute(name: str, workdir: Path, env: dict[str, str], monkeypatch) -> nbformat.NotebookNode:
-    for key, value in {"MAGE_SMOKE": "1", "MAGE_RUN_DIR": str(workdir / "runs"), **env}.items():
-        monkeypatch.setenv(key, value)
-    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = nbclient.NotebookClient(
-        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
-    )
-    client.execute()
-    return nb
-
-
-def _outputs(nb) -> str:
-    text = []
-    for cell in nb.cells:
-        for out in cell.get("outputs", []):
-            text.append(out.get("text", "") or "".join(out.get("data", {}).get("text/plain", "")))
-    return "\n".join(text)
-
-
-def _images(nb) -> int:
-    return sum("image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", []))
 
 
 def test_notebooks_have_a_parameters_cell_that_reads_mage_smoke():
@@ -53,11 +25,11 @@ def test_notebooks_have_a_parameters_cell_that_reads_mage_smoke():
 
 
 def test_quickstart_trains_plots_per_opponent_and_shows_transcripts(tmp_path, monkeypatch, compilation_cache):
-    nb = _execute("quickstart.ipynb", tmp_path, {}, monkeypatch)
-    text = _outputs(nb)
+    nb = execute("quickstart.ipynb", tmp_path, {}, monkeypatch)
+    text = outputs(nb)
     assert "training pool" in text and "held-out CFR opponent" in text
     assert "--- meta-episode" in text and ">>> <action>" in text
-    assert _images(nb) >= 2  # per-opponent success/payoff figure and training curves
+    assert images(nb) >= 2  # per-opponent success/payoff figure and training curves
     runs = list((tmp_path / "runs").glob("quickstart-*/summary.json"))
     assert len(runs) == 1
     assert all(c.execution_count is not None for c in nb.cells if c.cell_type == "code")
@@ -65,34 +37,10 @@ def test_quickstart_trains_plots_per_opponent_and_shows_transcripts(tmp_path, mo
         assert f"{name} " in text and f"(mage-jax needs {BOUNDS[name]}): ok" in text
 
 
-@pytest.mark.slow
-def test_pretrained_notebook_runs_smollm2_zero_shot_and_trains_without_a_folder_of_its_own(
-    tmp_path, monkeypatch, compilation_cache, smollm2_folder
-):
-    """No MAGE_MODEL_PATH: the notebook finds the converted SmolLM2-135M-Instruct folder (built by the
-    fixture in the same cache) and runs the small-cpu recipe on it."""
-    monkeypatch.delenv("MAGE_MODEL_PATH", raising=False)
-    nb = _execute("pretrained_zero_shot.ipynb", tmp_path, {}, monkeypatch)
-    text = _outputs(nb)
-    assert f"model folder: {smollm2_folder}" in text
-    assert "MCTS-100, agent first" in text  # the Tic-Tac-Toe zero-shot table
-    assert "--- reflect row" in text or "--- play row" in text
-    assert ">>> <action>" in text  # constrained actions: the real model's play rows are legal actions
-    assert f"--preset small-cpu --model-path {smollm2_folder}" in text
-    assert "MAGE on Kuhn Poker: 2 tasks x 2 meta-episodes, differential meta-reward, gigpo" in text
-    assert "LoRA rank 8" in text
-    root = next((tmp_path / "runs").glob("zero-shot-*"))
-    # the smoke setting trains too: every cell runs
-    runs = {p.parent.name for p in root.glob("*/summary.json")}
-    assert runs == {"kuhn_poker", "tic_tac_toe", "mage_kuhn_poker"}
-    assert _images(nb) >= 1
-    assert all(c.execution_count is not None for c in nb.cells if c.cell_type == "code")
-
-
 def test_pretrained_notebook_stops_with_a_clear_message_without_a_model_folder(tmp_path, monkeypatch):
     missing = str(tmp_path / "no-model")
     with pytest.raises(nbclient.exceptions.CellExecutionError, match="not a local Hugging Face model folder"):
-        _execute("pretrained_zero_shot.ipynb", tmp_path, {"MAGE_MODEL_PATH": missing}, monkeypatch)
+        execute("pretrained_zero_shot.ipynb", tmp_path, {"MAGE_MODEL_PATH": missing}, monkeypatch)
     assert os.path.isdir(NOTEBOOKS)
 
 

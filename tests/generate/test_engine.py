@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -45,6 +44,7 @@ from mage_jax.training.assemble import (
 )
 from tests.optional import available, require
 from tests.tiny_models import SMALLEST_DECODER
+from tests.xla_env import fake_devices_env
 
 TIMING = {"rollout_seconds"}
 ENGINE_ENVS = sorted(env for env in ENVIRONMENTS if env != "alfworld" or available("textworld"))
@@ -469,7 +469,7 @@ _SHARDED = textwrap.dedent(
 
 @pytest.mark.slow
 def test_slots_and_their_cache_shard_over_the_mesh_batch_axes_on_8_devices():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = fake_devices_env(8)
     proc = subprocess.run([sys.executable, "-c", _SHARDED], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -24,6 +24,7 @@ from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer, positions_from_mask
 from tests.optional import require
 from tests.tiny_models import build_random_causal_lm
+from tests.xla_env import fake_devices_env
 
 VOCAB, EOS, PAD = 64, 3, 0
 MAX_NEW = 8
@@ -281,11 +282,10 @@ print(json.dumps(out))
 
 def test_generation_on_a_two_device_mesh_matches_a_single_device():
     import json
-    import os
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = fake_devices_env(2)
     proc = subprocess.run(
         [sys.executable, "-c", _MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=300
     )

@@ -4,7 +4,6 @@ the blockwise implementation's linear memory."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from mage_jax.models import attention as attn
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.hf_loading import load_hf_model
 from mage_jax.models.transformer import Transformer
+from tests.xla_env import fake_devices_env
 
 from .conftest import hf_logits, jax_logits
 
@@ -225,7 +225,7 @@ print("OK")
 
 def test_splash_kernel_runs_on_each_devices_rows_under_a_mesh():
     """On a 2-device mesh the kernel runs under shard_map over the rows (a subprocess: fake devices)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = fake_devices_env(2)
     out = subprocess.run([sys.executable, "-c", SPLASH_ON_A_MESH], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

@@ -34,6 +34,7 @@ from mage_jax.models.transformer import (
     unstack_layers,
     update_layer,
 )
+from tests.xla_env import fake_devices_env
 
 from .conftest import hf_logits
 
@@ -379,7 +380,7 @@ _SHARDED = textwrap.dedent(
 
 def test_a_sharded_scanned_model_on_8_devices_matches_the_unrolled_one_on_one(hf_checkpoint):
     folder, _ = hf_checkpoint("qwen3", False, vocab=128)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = fake_devices_env(8)
     proc = subprocess.run([sys.executable, "-c", _SHARDED, folder], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

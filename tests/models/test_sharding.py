@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ from mage_jax.models.sharding import (
     path_to_str,
     tree_shardings,
 )
+from tests.xla_env import fake_devices_env
 
 MESH_222 = AbstractMesh((2, 2, 2), AXES)
 
@@ -164,7 +164,7 @@ _SCRIPT = textwrap.dedent(
 
 def test_sharded_model_on_8_devices_matches_one_device_and_really_splits_parameters(hf_checkpoint):
     folder, _ = hf_checkpoint("qwen3", False, vocab=128)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = fake_devices_env(8)
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, folder], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests.xla_env import fake_devices_env
+
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from mage_jax.models import sharding as shd
@@ -51,7 +53,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_update_on_a_2x2x2_mesh_matches_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = fake_devices_env(8)
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
