@@ -6,7 +6,14 @@ import os
 import subprocess
 import sys
 
-from tests.xla_env import DEFAULT_FLAGS, XLA_FLAGS_VAR, fake_devices_env, suite_flags, with_flags
+from tests.xla_env import (
+    DEFAULT_FLAGS,
+    XLA_FLAGS_VAR,
+    fake_devices_env,
+    suite_flags,
+    with_flags,
+    without_suite_flags,
+)
 
 
 def test_the_suite_flags_are_in_xla_flags_before_xla_starts():
@@ -23,3 +30,9 @@ def test_a_child_with_fake_devices_keeps_the_suite_flags_and_sees_its_devices():
     assert out.returncode == 0, out.stderr[-2000:]
     count, flags = out.stdout.strip().split(" ", 1)
     assert count == "3" and suite_flags() in flags  # XLA accepted every flag (an unknown one is fatal)
+
+
+def test_a_real_model_child_gets_the_flags_without_the_suites(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_cpu_multi_thread_eigen=false {DEFAULT_FLAGS}")
+    monkeypatch.setenv(XLA_FLAGS_VAR, DEFAULT_FLAGS)
+    assert without_suite_flags() == "--xla_cpu_multi_thread_eigen=false"

@@ -30,6 +30,7 @@ from mage_jax.models.hf_loading import load_hf_model, load_hf_params
 from mage_jax.training.assemble import build_parts, checkpoint_dir
 from tests.experiments.notebook_runs import execute, images, outputs
 from tests.models.conftest import jax_logits
+from tests.xla_env import without_suite_flags
 
 pytestmark = pytest.mark.slow  # the file is scheduled first (tests/conftest.py)
 
@@ -51,6 +52,7 @@ def notebook(smollm2_folder, compilation_cache, tmp_path_factory) -> NotebookRun
     workdir = tmp_path_factory.mktemp("pretrained_notebook")
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.delenv("MAGE_MODEL_PATH", raising=False)
+        monkeypatch.setenv("XLA_FLAGS", without_suite_flags())  # a real model: run time, not compiling
         nb = execute("pretrained_zero_shot.ipynb", workdir, {}, monkeypatch)
     executed = all(c.execution_count is not None for c in nb.cells if c.cell_type == "code")
     return NotebookRun(outputs(nb), images(nb), executed, next((workdir / "runs").glob("zero-shot-*")))
