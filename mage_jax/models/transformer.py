@@ -219,7 +219,34 @@ class RMSNorm(nnx.Module):
         return normed.astype(self.dtype) * self.scale.value.astype(self.dtype)
 
 
-def _linear(config: ModelConfig, n_in: int, n_out: int, bias: bool, rngs: nnx.Rngs,
+class KeyStream:
+    """The keys ``rngs.params()`` would give, counted in Python; it stands in for ``nnx.Rngs`` in the layer
+    constructors (they only call ``rngs.params()``), and on leaving its ``with`` block advances the
+    caller's count by the keys drawn, so the parameters and the stream's state are the same.
+
+    ``nnx.Rngs`` counts its draws in a variable, and under a trace (``nnx.eval_shape``, ``jax.jit``: how a
+    checkpoint's model is built) every update of it asks the traced count for its sharding, whose error
+    message walks the whole trace so far: building SmolLM2's 30 layers took 3.6 s instead of 0.3 s,
+    growing with the square of the depth. Here the count is updated once.
+    """
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.stream = rngs.params
+        self.key, self.start, self.count = self.stream.key[...], self.stream.count[...], 0
+
+    def params(self) -> jax.Array:
+        key = jax.random.fold_in(self.key, self.start + self.count)
+        self.count += 1
+        return key
+
+    def __enter__(self) -> KeyStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stream.count[...] = self.start + self.count
+
+
+def _linear(config: ModelConfig, n_in: int, n_out: int, bias: bool, rngs: KeyStream,
             name: str = "") -> nnx.Linear:
     """A projection; a `LoRALinear` (same base parameters plus an adapter) when `name` is a LoRA target."""
     kwargs = dict(use_bias=bias, dtype=config.jnp_dtype, param_dtype=config.jnp_param_dtype,
@@ -231,7 +258,7 @@ def _linear(config: ModelConfig, n_in: int, n_out: int, bias: bool, rngs: nnx.Rn
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: KeyStream):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.dtype = c.jnp_dtype
@@ -315,7 +342,7 @@ def _read_cache(kv: tuple[jax.Array, jax.Array], layer: jax.Array | None) -> tup
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: KeyStream):
         c = config
         self.gate_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs, "gate_proj")
         self.up_proj = _linear(c, c.hidden_size, c.intermediate_size, False, rngs, "up_proj")
@@ -327,7 +354,7 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: KeyStream):
         norm = dict(dtype=config.jnp_dtype, param_dtype=config.jnp_param_dtype)
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **norm)
         self.attn = Attention(config, rngs)
@@ -344,7 +371,7 @@ class Block(nnx.Module):
 
 
 class Embed(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: KeyStream):
         init = nnx.initializers.normal(stddev=0.02)
         self.embedding = nnx.Param(
             init(rngs.params(), (config.vocab_size, config.hidden_size), config.jnp_param_dtype)
@@ -395,18 +422,19 @@ class Transformer(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.embed = Embed(config, rngs)
-        blocks = [Block(config, rngs) for _ in range(config.num_layers)]
-        # Scanned: the same blocks (the same initialisation) stacked into one with a leading layer axis.
-        self.layers = stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
-        self.final_norm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, dtype=config.jnp_dtype,
-            param_dtype=config.jnp_param_dtype,
-        )
-        if config.tie_word_embeddings:
-            self.lm_head = nnx.data(None)
-        else:
-            self.lm_head = _linear(config, config.hidden_size, config.vocab_size, False, rngs)
+        with KeyStream(rngs) as keys:
+            self.embed = Embed(config, keys)
+            blocks = [Block(config, keys) for _ in range(config.num_layers)]
+            # Scanned: the same blocks (the same initialisation) stacked into one with a leading layer axis.
+            self.layers = stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
+            self.final_norm = RMSNorm(
+                config.hidden_size, config.rms_norm_eps, dtype=config.jnp_dtype,
+                param_dtype=config.jnp_param_dtype,
+            )
+            if config.tie_word_embeddings:
+                self.lm_head = nnx.data(None)
+            else:
+                self.lm_head = _linear(config, config.hidden_size, config.vocab_size, False, keys)
 
     def __call__(
         self,

@@ -303,9 +303,13 @@ class TrainStep:
                 if micro == rows or rows % micro:
                     return one(params, batch)
                 # The parameters ride in the scan's carry, so the model (and its remat) is merged from
-                # them inside the loop body's trace.
-                _, parts = jax.lax.scan(lambda p, part: (p, one(p, part)), params,
-                                        split_micro_batches(batch, micro))
+                # them inside the loop body's trace. A micro-batch of padding rows only is all zeros
+                # without running the model (as in the update).
+                def body(p, part):
+                    return p, jax.lax.cond(part.response_mask.any(), one,
+                                           lambda _, part: jnp.zeros(part.tokens.shape, jnp.float32), p, part)
+
+                _, parts = jax.lax.scan(body, params, split_micro_batches(batch, micro))
                 return merge_micro_batches(parts)
 
             self._logprobs = jax.jit(logprobs, out_shardings=self._batch_sharding,
@@ -433,14 +437,21 @@ class TrainStep:
             agg_total = jnp.maximum(aggregation_count(mask, cfg.aggregation), 1.0)
             token_total = jnp.maximum(aggregation_count(mask, "token-mean"), 1.0)
 
-            def body(acc, part: TrainBatch):
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                                 jax.eval_shape(self._micro_grads, params, batch, 1.0, 1.0))
+
+            def contribution(part: TrainBatch):
                 agg_weight = aggregation_count(part.response_mask, cfg.aggregation) / agg_total
                 token_weight = aggregation_count(part.response_mask, "token-mean") / token_total
                 grads, metrics = self._micro_grads(params, part, agg_weight, token_weight)
-                return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, (grads, metrics)), None
+                return jax.tree.map(lambda x: x.astype(jnp.float32), (grads, metrics))
 
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
-                                 jax.eval_shape(self._micro_grads, params, batch, 1.0, 1.0))
+            def body(acc, part: TrainBatch):
+                # A micro-batch of padding rows only (the padded tail of a short mini-batch) has weight
+                # 0 and adds exactly zero: it is skipped, not run through the model.
+                add = jax.lax.cond(part.response_mask.any(), contribution, lambda _: zeros, part)
+                return jax.tree.map(jnp.add, acc, add), None
+
             (grads, metrics), _ = jax.lax.scan(body, zeros, split_micro_batches(batch, micro))
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, self.trainable(params)[0])
         metrics = dict(metrics, response_tokens=batch.response_mask.sum().astype(jnp.float32))

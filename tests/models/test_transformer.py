@@ -16,6 +16,7 @@ from mage_jax.models import (
     init_cache,
     make_attention_mask,
     positions_from_mask,
+    transformer,
 )
 from mage_jax.models.hf_loading import load_hf_model
 from tests.optional import require
@@ -181,6 +182,44 @@ def test_remat_changes_neither_outputs_nor_gradients(left_padded_batch, policy):
     np.testing.assert_allclose(plain[0], remat[0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(remat[1])):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_building_a_model_updates_the_callers_key_count_once_and_draws_the_keys_it_would(monkeypatch, scan):
+    """The layers draw ``rngs.params()``'s keys from a Python count (``KeyStream``) and the caller's count
+    variable is advanced once at the end. Each update of an ``nnx.Rngs`` count under a trace (how a
+    checkpoint's model is built) walked the whole trace so far: building SmolLM2's 30 layers took 3.6 s
+    instead of 0.3 s, growing with the square of the depth. The parameters and the caller's stream
+    are those of building the layers with the ``nnx.Rngs`` itself."""
+    config = ModelConfig.preset("tiny", vocab_size=64, num_layers=3, hidden_size=64, intermediate_size=96,
+                                lora_rank=2, tie_word_embeddings=False, scan_layers=scan)
+    updates = []
+    set_value = nnx.RngCount.set_value
+
+    def counted(self, *args, **kwargs):
+        updates.append(args)
+        return set_value(self, *args, **kwargs)
+
+    monkeypatch.setattr(nnx.RngCount, "set_value", counted)
+    rngs = nnx.Rngs(7)
+    model = Transformer(config, rngs=rngs)
+    assert len(updates) == 1
+
+    reference = nnx.Rngs(7)  # the layers built with the caller's stream, one update per key
+    embed = transformer.Embed(config, reference)
+    blocks = [transformer.Block(config, reference) for _ in range(3)]
+    head = transformer._linear(config, 64, 64, False, reference)
+    draws = 1 + 3 * 7 * 3 + 1  # embedding, each layer's 7 kernels and their A and B, head
+    assert len(updates) == 1 + draws
+    assert int(rngs.params.count[...]) == int(reference.params.count[...]) == draws
+    np.testing.assert_array_equal(model.embed.embedding.value, embed.embedding.value)
+    np.testing.assert_array_equal(model.lm_head.kernel.value, head.kernel.value)
+    layers = nnx.state(model.layers)
+    want = transformer.stack_blocks(blocks) if scan else nnx.List(blocks)
+    for a, b in zip(jax.tree.leaves(nnx.state(want)), jax.tree.leaves(layers), strict=True):
+        np.testing.assert_array_equal(b, a)
+    random = [np.asarray(v) for v in jax.tree.leaves(nnx.state(model)) if np.ptp(np.asarray(v)) > 0]
+    assert len({v.tobytes() for v in random}) == len(random) > 2  # no two parameters share a key
 
 
 def test_attention_mask_is_causal_and_hides_padding_and_other_segments():

@@ -349,6 +349,31 @@ def test_micro_batches_give_the_whole_mini_batch_gradients_and_metrics(model, ag
         np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6)
 
 
+def test_a_micro_batch_of_padding_rows_only_is_skipped(model):
+    """The padded tail of a short mini-batch is not run through the model: with non-finite values in
+    the padding-only micro-batch (rows 3 and 7), which would make its zero-weighted loss NaN, the
+    gradients and metrics are those of the same batch with finite padding."""
+    _, mesh, graphdef, params = model
+    config = StepConfig(chunk_size=5, kl_coef=0.1, entropy_coef=0.01, micro_batch_rows=2)
+    step = shared_train_step(graphdef, *sgd(1.0), config, mesh)
+    state = step.init_state(jax.device_put(params, may_alias=False))
+    grads_program, _ = step.update_programs(step.state_shardings(state))
+
+    def run(b):
+        with jax.set_mesh(mesh):
+            grads, metrics = grads_program(state.params, step.place_batch(TrainBatch(**b)))
+        return jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
+
+    poisoned = micro_batch_rows_batch()
+    for name in ("old_logprobs", "ref_logprobs", "advantages"):
+        poisoned[name][[3, 7]] = np.nan
+    clean_grads, clean = run(micro_batch_rows_batch())
+    grads, metrics = run(poisoned)
+    assert metrics == clean and all(np.isfinite(v) for v in metrics.values())
+    for a, b in zip(jax.tree.leaves(clean_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_array_equal(b, a)
+
+
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_logprob_recompute_over_micro_batches_is_the_whole_batch_recompute(model, remat):
     """``compute_logprobs`` runs ``micro_batch_rows`` rows at a time (strided, like the update) and puts
