@@ -11,8 +11,9 @@ and once unrolled, on this process's first device. Each program is lowered and t
 (``jax.jit(...).lower(...).compile()``); the persistent compilation cache is switched off so every
 compile is a real one. Issue 28's target: a scanned program at the deepest depth compiles within 2x of
 the shallowest. Prints JSON and writes it to ``--out``: per layout and depth, each program's lower and
-compile seconds, and per layout the deepest / shallowest compile ratio per program with the target
-met or not, with the 1-minute load average before and after.
+compile seconds and the seconds to build the abstract model (``nnx.eval_shape`` of the decoder, how a
+checkpoint's model is built), and per layout the deepest / shallowest compile ratio per program with
+the target met or not, with the 1-minute load average before and after.
 """
 
 from __future__ import annotations
@@ -42,9 +43,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def measure(env: str, preset: str, depth: int, scan: bool, overrides: dict[str, Any]) -> dict[str, Any]:
     """Lower and compile seconds of each rollout program of ``preset`` at ``depth`` layers."""
+    from flax import nnx
+
     from experiments import plan
     from mage_jax import aot
     from mage_jax import config as C
+    from mage_jax.models.transformer import Transformer
 
     cfg = plan.preset_config(env, preset, overrides)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(
@@ -52,6 +56,9 @@ def measure(env: str, preset: str, depth: int, scan: bool, overrides: dict[str, 
     setup = plan.make_setup(cfg, 1, num_layers=depth)
     if setup.model_config.scan_layers != scan:
         raise C.ConfigError("the model layout override did not reach the model config")
+    started = time.perf_counter()  # the abstract model, as a checkpoint's model is built
+    nnx.eval_shape(lambda: Transformer(setup.model_config, rngs=nnx.Rngs(0)))
+    build_s = time.perf_counter() - started
     started = time.perf_counter()
     lowered = aot.lower_rollout(setup.sampler, setup.engine, setup.params, plan.rollout_sampling(setup))
     lower_s = time.perf_counter() - started
@@ -61,7 +68,8 @@ def measure(env: str, preset: str, depth: int, scan: bool, overrides: dict[str, 
         program.compile()
         programs[name] = round(time.perf_counter() - started, 2)
     rows, prompt, new_tokens = plan.rollout_shape(setup)
-    return {"depth": depth, "lower_s_all_programs": round(lower_s, 2), "compile_s": programs,
+    return {"depth": depth, "build_s": round(build_s, 2), "lower_s_all_programs": round(lower_s, 2),
+            "compile_s": programs,
             "params": int(setup.model_config.num_params()), "rows": rows, "prompt": prompt,
             "new_tokens": new_tokens}
 

@@ -18,6 +18,7 @@ def test_compile_seconds_of_each_program_at_each_depth_and_layout(tmp_path):
         assert runs[1]["params"] > runs[0]["params"]  # the depth is really there
         for r in runs:
             assert set(r["compile_s"]) == {"insert", "decode"} and all(s > 0 for s in r["compile_s"].values())
+            assert r["build_s"] >= 0
         ratios = report["deep_over_shallow"][layout]
         assert ratios == {k: round(runs[1]["compile_s"][k] / runs[0]["compile_s"][k], 2) for k in ratios}
     assert report["target"]["scanned_deep_within_2x_of_shallow"] == {
