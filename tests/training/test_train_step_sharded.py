@@ -1,5 +1,6 @@
-"""The update on an 8-device (2 x 2 x 2) CPU mesh gives the single-device result (run in a subprocess:
-the fake device count must be set before JAX starts)."""
+"""The update on an 8-device (2 x 2 x 2) CPU mesh gives the single-device result, also over micro-batches
+with one of padding rows only (skipped under a ``lax.cond``), run in a subprocess: the fake device count
+must be set before JAX starts."""
 
 from __future__ import annotations
 
@@ -27,14 +28,16 @@ SCRIPT = textwrap.dedent("""
              "token_mask": np.ones((R, T), bool), "targets": np.roll(tokens, -1, 1),
              "response_mask": np.arange(T)[None].repeat(R, 0) >= 6, "prompt_lengths": np.full(R, 7, np.int32),
              "advantages": rng.normal(size=R).astype(np.float32)}
+    batch["response_mask"][1::2] = False  # padding: of the 4-row micro-batches (rows j, j + 2, ...), one
     results = []
-    for shape, devices in (((1, 1, 1), jax.devices()[:1]), ((2, 2, 2), jax.devices())):
+    for shape, devices, micro in (((1, 1, 1), jax.devices()[:1], 0), ((2, 2, 2), jax.devices(), 0),
+                                  ((2, 2, 2), jax.devices(), 4)):
         mesh = shd.make_mesh(shd.MeshConfig(*shape), devices)
         _, params = shd.init_sharded(cfg, mesh, seed=0)
         graphdef = shd.init_sharded(cfg, mesh, seed=0)[0]
         schedule = learning_rate_schedule(1e-2)
         tx = make_optimizer(schedule, b1=0.9, b2=0.999, weight_decay=0.0, grad_clip=1.0)
-        step = TrainStep(graphdef, tx, schedule, StepConfig(chunk_size=4), mesh)
+        step = TrainStep(graphdef, tx, schedule, StepConfig(chunk_size=4, micro_batch_rows=micro), mesh)
         state = step.init_state(params)
         b = dict(batch)
         b["old_logprobs"] = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
@@ -44,10 +47,11 @@ SCRIPT = textwrap.dedent("""
         leaf = leaf.value if hasattr(leaf, "value") else leaf
         devices_used = len(leaf.sharding.device_set)
         results.append((float(metrics["loss"]), np.asarray(jax.device_get(leaf)), devices_used))
-    (l1, w1, _), (l8, w8, n8) = results
-    assert n8 > 1, "the sharded parameters should live on several devices"
-    np.testing.assert_allclose(l1, l8, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(w1, w8, rtol=1e-4, atol=1e-5)
+    (l1, w1, _), *sharded = results
+    for l8, w8, n8 in sharded:
+        assert n8 > 1, "the sharded parameters should live on several devices"
+        np.testing.assert_allclose(l1, l8, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(w1, w8, rtol=1e-4, atol=1e-5)
     print("OK")
 """)
 
