@@ -1,0 +1,142 @@
+"""Decoding with the blocks under a scan against unrolled blocks: same weights, same greedy tokens.
+
+    python -m experiments.benchmarks.decode_layout [--model tiny] [--layers 8] [--vocab 0] [--batch 16]
+        [--prompt-len 64] [--new-tokens 64] [--repeats 3] [--threads 0]
+        [--out runs/benchmarks/decode_layout.json]
+
+``ModelConfig.scan_layers`` (the pretrained presets' default) runs the blocks under one ``lax.scan`` over
+stacked parameters, so a program's compile time does not grow with depth. Its decode step reads each
+layer's keys and values out of the stacked cache and writes the new slot in place, where the unrolled
+layout has one cache array per layer. This measures what that costs at run time. A random model
+(``--model`` preset, ``--layers`` deep, ``--vocab`` tokens) is built unrolled; the scanned layout gets
+the same weights stacked (``stack_layers``). ``Sampler.generate`` decodes ``--batch`` random prompts
+greedily, with the EOS token disallowed so every row runs ``--new-tokens`` steps. Each layout is warmed
+up first (compile seconds reported, never counted). Then, ``--repeats`` times and alternating the
+layouts, each runs the full call and a prefill-only call (one new token). Decode tokens/s is
+``batch * (new_tokens - 1) / (full - prefill)``, given as min / median / max per layout, with the
+scanned / unrolled ratio per repeat, whether the greedy tokens are identical, and the load average
+before and after. Prints JSON and writes it to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from experiments.benchmarks.common import load_average, machine, spread, write_report
+
+LAYOUTS = {"unrolled": False, "scanned": True}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="a ModelConfig preset (random weights)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=0, help="vocabulary size (0: the preset's)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=0, help="pin to this many CPUs (0: as started)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/benchmarks/decode_layout.json")
+    args = parser.parse_args(argv)
+    if min(args.layers, args.batch, args.prompt_len, args.repeats) < 1 or args.new_tokens < 2 \
+            or args.threads < 0:
+        parser.error("--layers, --batch, --prompt-len, --repeats must be positive, --new-tokens >= 2, "
+                     "--threads >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads > 0:
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.threads])
+    started = time.perf_counter()
+    load_before = load_average()
+
+    import jax
+    from flax import nnx
+
+    from experiments.benchmarks.rollout import no_eos_automaton
+    from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.step import SamplingParams
+    from mage_jax.models.config import ModelConfig
+    from mage_jax.models.transformer import Transformer, stack_layers
+
+    config = ModelConfig.preset(args.model, num_layers=args.layers, param_dtype=args.dtype, dtype=args.dtype,
+                                scan_layers=False)
+    if args.vocab:
+        config = dataclasses.replace(config, vocab_size=args.vocab)
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(args.seed)))
+    eos = config.vocab_size - 1
+    automaton = no_eos_automaton(config.vocab_size, eos)
+    rng = np.random.default_rng(args.seed)
+    prompts = rng.integers(1, eos, (args.batch, args.prompt_len)).tolist()
+    key = jax.random.key(args.seed)
+
+    def layout(scan: bool):
+        """A function ``new_tokens -> (seconds, tokens)`` decoding with ``scan_layers=scan``."""
+        cfg = dataclasses.replace(config, scan_layers=scan)
+        gdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))) if scan else graphdef
+        weights = stack_layers(state) if scan else state
+        sampler = Sampler(gdef, cfg, eos_ids=[eos], pad_id=0, prompt_buckets=(args.prompt_len,),
+                          batch_buckets=(args.batch,))
+
+        def run(new_tokens: int) -> tuple[float, list[list[int]]]:
+            params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+            t0 = time.perf_counter()
+            out = sampler.generate(weights, prompts, params, key, constraints=automaton)
+            return time.perf_counter() - t0, [list(t) for t in out.tokens]
+
+        return run
+
+    runs = {name: layout(scan) for name, scan in LAYOUTS.items()}
+    warmup_s, tokens = {}, {}
+    for name, run in runs.items():
+        t0 = time.perf_counter()
+        _, tokens[name] = run(args.new_tokens)
+        run(1)
+        warmup_s[name] = round(time.perf_counter() - t0, 2)
+    full: dict[str, list[float]] = {name: [] for name in runs}
+    prefill: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(args.repeats):
+        for name in (LAYOUTS if i % 2 == 0 else reversed(LAYOUTS)):
+            full[name].append(runs[name](args.new_tokens)[0])
+            prefill[name].append(runs[name](1)[0])
+
+    decoded = args.batch * (args.new_tokens - 1)
+    rates = {name: [decoded / (f - p) for f, p in zip(full[name], prefill[name], strict=True) if f > p]
+             for name in runs}
+    ratios = [s / u for s, u in zip(rates["scanned"], rates["unrolled"])]
+    report = {
+        "benchmark": "decode_layout",
+        "command": "python -m experiments.benchmarks.decode_layout " + " ".join(argv or []),
+        "device": str(jax.devices()[0].device_kind),
+        "model": args.model, "layers": args.layers, "vocab": config.vocab_size,
+        "params": int(config.num_params()), "dtype": args.dtype,
+        "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "decode_tokens_per_s": {name: spread(r) if r else None for name, r in rates.items()},
+        "prefill_s": {name: spread(p) for name, p in prefill.items()},
+        "scanned_over_unrolled": round(float(np.median(ratios)), 3) if ratios else None,
+        "scanned_over_unrolled_per_repeat": [round(x, 3) for x in ratios],
+        "greedy_identical": tokens["scanned"] == tokens["unrolled"]
+        and all(len(t) == args.new_tokens for t in tokens["unrolled"]),
+        "warmup_s": warmup_s,
+        "load_average": {"before": load_before, "after": load_average()},
+        "machine": machine(),
+        "total_s": round(time.perf_counter() - started, 2),
+    }
+    return write_report(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
