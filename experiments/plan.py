@@ -32,8 +32,9 @@ bytes(L) = bytes(6) + (L - 6) x (bytes(6) - bytes(3)) / 3: every decoder block a
 parameters, optimizer state, KV cache and (one block at a time under remat) activations. Single steps of
 depth are not XLA's linear regime (its memory schedule moves by a block's worth from one depth to the
 next), so the slope is taken over three blocks; on Kuhn Poker ``small`` the unrolled extrapolation
-equals a full 28-layer compile for every program (docs/scaling.md; ``--set model.overrides=...``
-replaces a preset's whole ``model.overrides``, its ``remat`` included: repeat the keys to keep).
+equals a full 28-layer compile for every program (docs/scaling.md; ``--set model.overrides.KEY=VALUE``
+sets one entry and keeps the preset's others, its ``remat`` included; ``--set model.overrides={...}``
+replaces them all).
 XLA:CPU computes bfloat16 products in float32
 and has no flash-attention kernel, so the numbers are an upper bound of what a GPU or TPU compile
 reports. FLOPs are XLA's cost analysis per device; a ``while`` loop body (a decode step) is counted
@@ -463,7 +464,7 @@ def verdict(plan: Mapping[str, Any], hardware: Hardware, cfg: C.ExperimentConfig
                           f"{max(r['rows'] // 2, 1)} or shorten rollout.max_response_tokens")
         if largest in ("train_grads", "logprobs"):
             if cfg.model.overrides.get("remat", "none") == "none":
-                advice.append("turn on rematerialisation: --model.overrides '{\"remat\": \"full\"}'")
+                advice.append("turn on rematerialisation: --model.overrides.remat full")
             micro = cfg.optim.micro_batch_rows or cfg.optim.mini_batch_rows
             if micro > plan["devices"]:
                 advice.append(f"accumulate over smaller micro-batches: optim.micro_batch_rows "

@@ -138,7 +138,8 @@ class ModelSection:
     """Local Hugging Face folder (config.json + safetensors). When set, it replaces ``preset``: the
     resolved config names the model by its folder (``with_model_folder``)."""
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """ModelConfig field overrides for from-scratch models (e.g. ``{"num_layers": 2}``)."""
+    """ModelConfig field overrides (e.g. ``{"num_layers": 2}``); ``model.overrides.KEY=VALUE`` sets one entry
+    and keeps the others."""
     dtype: ActivationDtype = "float32"
     """Activation dtype (``float32`` or ``bfloat16``); parameters stay float32 for the optimiser."""
     init_seed: int | None = None

@@ -266,9 +266,22 @@ def _set(cfg: Any, parts: list[str], value: Any, full: str) -> Any:
             raise ConfigError(f"{full} is a section; set one of its keys (e.g. {example})")
         return dataclasses.replace(cfg, **{head: coerce(full, tp, value)})
     child = getattr(cfg, head)
+    if isinstance(child, Mapping) and len(parts) == 2:  # one entry of a dict field; the others stay
+        return dataclasses.replace(cfg, **{head: {**child, parts[1]: _entry_value(value)}})
     if not dataclasses.is_dataclass(child):
         raise ConfigError(f"unknown config key {full!r} ({'.'.join(full.split('.')[:-1])} is not a section)")
     return dataclasses.replace(cfg, **{head: _set(child, parts[1:], value, full)})
+
+
+def _entry_value(value: Any) -> Any:
+    """A dict field's entry from the command line: a JSON value (``4``, ``false``, ``[1, 2]``) where the
+    text is one, else the text itself (``full``)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
 
 
 def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:

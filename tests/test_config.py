@@ -49,6 +49,20 @@ def test_string_overrides_are_parsed_by_field_type():
     assert cfg.train.iterations == 7
 
 
+def test_one_entry_of_model_overrides_is_set_and_the_others_kept():
+    """``model.overrides.KEY=VALUE`` changes one entry (a preset's ``remat`` survives turning the scan
+    off); ``model.overrides={...}`` still replaces the whole dict."""
+    cfg = C.apply_overrides(C.ExperimentConfig(), {"model.overrides": '{"remat": "full", "num_layers": 2}'})
+    cfg = C.apply_overrides(cfg, {"model.overrides.scan_layers": "false", "model.overrides.num_layers": "4",
+                                  "model.overrides.attention": "blockwise"})
+    assert cfg.model.overrides == {"remat": "full", "num_layers": 4, "scan_layers": False,
+                                   "attention": "blockwise"}
+    whole = C.apply_overrides(cfg, {"model.overrides": '{"num_layers": 3}'})
+    assert whole.model.overrides == {"num_layers": 3}
+    with pytest.raises(C.ConfigError, match=r"unknown config key 'model\.lora_rank\.x'"):
+        C.apply_overrides(cfg, {"model.lora_rank.x": "1"})  # not a dict: still no such key
+
+
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
