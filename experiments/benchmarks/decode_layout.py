@@ -1,7 +1,7 @@
 """Decoding with the blocks under a scan against unrolled blocks: same weights, same greedy tokens.
 
     python -m experiments.benchmarks.decode_layout [--model tiny] [--layers 8] [--vocab 0] [--batch 16]
-        [--prompt-len 64] [--new-tokens 64] [--repeats 3] [--threads 0]
+        [--prompt-len 64] [--new-tokens 64] [--path sampler] [--repeats 3] [--threads 0]
         [--out runs/benchmarks/decode_layout.json]
 
 ``ModelConfig.scan_layers`` (the pretrained presets' default) runs the blocks under one ``lax.scan`` over
@@ -9,8 +9,10 @@ stacked parameters, so a program's compile time does not grow with depth. Its de
 layer's keys and values out of the stacked cache and writes the new slot in place, where the unrolled
 layout has one cache array per layer. This measures what that costs at run time. A random model
 (``--model`` preset, ``--layers`` deep, ``--vocab`` tokens) is built unrolled; the scanned layout gets
-the same weights stacked (``stack_layers``). ``Sampler.generate`` decodes ``--batch`` random prompts
-greedily, with the EOS token disallowed so every row runs ``--new-tokens`` steps. Each layout is warmed
+the same weights stacked (``stack_layers``). ``--path sampler`` (``Sampler.generate``, one position for
+every row) or ``--path engine`` (a ``RolloutEngine`` with ``--batch`` slots, a position per row: the
+rollouts' path) decodes ``--batch`` random prompts greedily, with the EOS token disallowed so every row
+runs ``--new-tokens`` steps. Each layout is warmed
 up first (compile seconds reported, never counted). Then, ``--repeats`` times and alternating the
 layouts, each runs the full call and a prefill-only call (one new token). Decode tokens/s is
 ``batch * (new_tokens - 1) / (full - prefill)``, given as min / median / max per layout, with the
@@ -42,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--path", default="sampler", choices=("sampler", "engine"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=0, help="pin to this many CPUs (0: as started)")
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from flax import nnx
 
     from experiments.benchmarks.rollout import no_eos_automaton
+    from mage_jax.generate.engine import EngineRequest, RolloutEngine
     from mage_jax.generate.sampler import Sampler
     from mage_jax.generate.step import SamplingParams
     from mage_jax.models.config import ModelConfig
@@ -90,11 +94,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sampler = Sampler(gdef, cfg, eos_ids=[eos], pad_id=0, prompt_buckets=(args.prompt_len,),
                           batch_buckets=(args.batch,))
 
+        engine = RolloutEngine(sampler, slots=args.batch, max_new_tokens=args.new_tokens)
+
         def run(new_tokens: int) -> tuple[float, list[list[int]]]:
             params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
             t0 = time.perf_counter()
-            out = sampler.generate(weights, prompts, params, key, constraints=automaton)
-            return time.perf_counter() - t0, [list(t) for t in out.tokens]
+            if args.path == "sampler":
+                tokens = sampler.generate(weights, prompts, params, key, constraints=automaton).tokens
+            else:
+                session, tokens = engine.session(weights, params, key), [None] * len(prompts)
+                for row, prompt in enumerate(prompts):
+                    session.submit(EngineRequest(tag=row, prompt_ids=tuple(prompt), limit=new_tokens,
+                                                 automaton=automaton, key_path=(row, 0, 0)))
+                while session.busy:
+                    for result in session.step():
+                        tokens[result.tag] = result.tokens
+            return time.perf_counter() - t0, [list(map(int, t)) for t in tokens]
 
         return run
 
@@ -122,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": str(jax.devices()[0].device_kind),
         "model": args.model, "layers": args.layers, "vocab": config.vocab_size,
         "params": int(config.num_params()), "dtype": args.dtype,
-        "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "path": args.path, "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "decode_tokens_per_s": {name: spread(r) if r else None for name, r in rates.items()},
         "prefill_s": {name: spread(p) for name, p in prefill.items()},

@@ -311,14 +311,21 @@ def _write_cache(kv: tuple[jax.Array, jax.Array], k_new: jax.Array, v_new: jax.A
 
     `cache_index` is one position for every row, or one per row (the rollout engine's slots each sit
     at their own length); a per-row position past the cache writes nothing (a finished slot). Per-row
-    writes into the stacked cache scatter into the layer's slice (read anyway for attention) and put the
-    slice back: a scatter into the whole stack may be computed out of place (XLA:CPU scatters bfloat16 in
-    float32), which would copy every layer's cache."""
+    writes into the stacked cache scatter into the stack in place. XLA:CPU computes a bfloat16 scatter
+    in float32, out of place, which would copy every layer's cache: there the write goes into the
+    layer's slice (read anyway for attention), which is then put back."""
     cache_k, cache_v = kv
     k_new, v_new = k_new.astype(cache_k.dtype), v_new.astype(cache_v.dtype)
     if layer is not None and cache_index.ndim == 1:
-        part = _write_cache(_read_cache(kv, layer), k_new, v_new, cache_index, None)[1]
-        return tuple(jax.lax.dynamic_update_index_in_dim(a, p, layer, axis=2) for a, p in zip(kv, part)), part
+        if cache_k.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+            part = _write_cache(_read_cache(kv, layer), k_new, v_new, cache_index, None)[1]
+            return tuple(jax.lax.dynamic_update_index_in_dim(a, p, layer, axis=2)
+                         for a, p in zip(kv, part)), part
+        rows = jnp.arange(k_new.shape[0])[:, None]
+        at = cache_index[:, None] + jnp.arange(k_new.shape[-1])[None, :]  # [B,T]
+        kv = (cache_k.at[rows, :, layer, :, at].set(k_new.transpose(0, 3, 1, 2), mode="drop"),
+              cache_v.at[rows, :, layer, at, :].set(v_new.transpose(0, 2, 1, 3), mode="drop"))
+        return kv, _read_cache(kv, layer)
     if cache_index.ndim == 0:
         at_layer = () if layer is None else (layer,)
         if layer is not None:

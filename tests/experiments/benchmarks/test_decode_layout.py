@@ -3,16 +3,19 @@ the greedy tokens agree, and reports each layout's decode rate and their ratio."
 
 import json
 
+import pytest
+
 from experiments.benchmarks.decode_layout import main
 
 
-def test_both_layouts_decode_the_same_tokens_and_their_rates_are_compared(tmp_path):
+@pytest.mark.parametrize("path", ["sampler", "engine"])
+def test_both_layouts_decode_the_same_tokens_and_their_rates_are_compared(tmp_path, path):
     out = tmp_path / "decode_layout.json"
     report = main(["--layers", "2", "--vocab", "64", "--batch", "2", "--prompt-len", "8", "--new-tokens", "4",
-                   "--repeats", "2", "--out", str(out)])
+                   "--repeats", "2", "--path", path, "--out", str(out)])
     assert json.loads(out.read_text()) == report
     assert report["greedy_identical"] is True
-    assert (report["layers"], report["vocab"], report["new_tokens"]) == (2, 64, 4)
+    assert (report["path"], report["layers"], report["vocab"], report["new_tokens"]) == (path, 2, 64, 4)
     rates = report["decode_tokens_per_s"]
     assert set(rates) == {"unrolled", "scanned"} and all(r is None or r["min"] > 0 for r in rates.values())
     assert set(report["warmup_s"]) == {"unrolled", "scanned"}
