@@ -2,7 +2,8 @@
 paths are right and fast, and leaves its numbers behind even when it is cut off.
 
     python -m experiments.benchmarks.accelerator [--out runs/benchmarks/accelerator.json]
-        [--stages environment,correctness,train,decode,rollout,real_model] [--tiny] [--model-path DIR]
+        [--stages environment,correctness,train,decode,rollout,decode_layout,real_model] [--tiny]
+        [--model-path DIR]
 
 Stages, in this order (``experiments.benchmarks.accelerator_stages``; the correctness stage in
 ``accelerator_correctness``):
@@ -18,7 +19,10 @@ Stages, in this order (``experiments.benchmarks.accelerator_stages``; the correc
 4. ``decode``: the rollout engine's decode rate at 64 rows, its bytes per step against the measured copy
    bandwidth, Hugging Face ``generate`` as the peer;
 5. ``rollout``: engine against lockstep at uneven lengths (``experiments.benchmarks.rollout``, scaled up);
-6. ``real_model`` (only with ``--model-path``): a few MAGE iterations of Kuhn Poker on that folder.
+6. ``decode_layout``: the engine's decode with the blocks scanned (the pretrained presets' default)
+   against unrolled, 8 layers of Qwen3-0.6B at 2048-token prompts (``experiments.benchmarks.decode_layout``;
+   on the CPU the scanned one decodes at 0.4-0.5x, docs/performance.md);
+7. ``real_model`` (only with ``--model-path``): a few MAGE iterations of Kuhn Poker on that folder.
 
 After every stage the whole report is rewritten atomically to ``--out`` (JSON) and beside it (``.md``,
 the table of targets), so a run killed by a time limit keeps every finished stage; a stage that raises
@@ -51,6 +55,7 @@ STAGES: dict[str, Callable[[StageInput], dict[str, Any]]] = {
     "train": stages.train,
     "decode": stages.decode,
     "rollout": stages.rollout_stage,
+    "decode_layout": stages.decode_layout_stage,
     "real_model": stages.real_model,
 }
 """The stages in the order they run."""
@@ -178,6 +183,11 @@ def target_rows(stages: Mapping[str, Mapping[str, Any]]) -> list[TargetRow]:
                                   _at_least(fraction, 0.6) if s["rows"] == 64 else None))
             rows.append(TargetRow(name, f"{_fmt(ratio)}x HF generate decode tok/s", ">= 2x",
                                   _at_least(ratio, 2.0)))
+        elif name == "decode_layout":
+            ratio = _fmt(s["scanned_over_unrolled"])
+            rows.append(TargetRow(name, f"scanned blocks decode at {ratio}x the unrolled rate ({s['path']}, "
+                                        f"{s['layers']} layers, {s['batch']} rows, {s['prompt_len']}-token "
+                                        f"prompts), greedy identical {s['greedy_identical']}"))
         elif name == "rollout":
             useful = s["useful_decode_fraction"]["engine"]
             met = _at_least(s["speedup"], 3.0) and _at_least(useful, 0.8)

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from experiments.benchmarks import generation, rollout, train_step
+from experiments.benchmarks import decode_layout, generation, rollout, train_step
 from experiments.benchmarks.common import build_hf_checkpoint, spread
 from mage_jax.evaluation.metrics import episode_key
 
@@ -65,6 +65,7 @@ class Sizes:
     decode_new_tokens: int
     decode_chunk: int
     decode_repeats: int
+    layout_args: tuple[str, ...]
     rollout_args: tuple[str, ...]
     real_model_overrides: Mapping[str, Any]
 
@@ -75,6 +76,8 @@ DEFAULT = Sizes(
     train_model=QWEN3_0_6B, train_rows=4, train_length=2048, train_prompt_len=1024, train_repeats=4,
     decode_model=QWEN3_0_6B, decode_rows=64, decode_prompt_len=512, decode_new_tokens=256, decode_chunk=16,
     decode_repeats=2,
+    layout_args=("--path", "engine", "--model", "qwen3-0.6b", "--layers", "8", "--dtype", "bfloat16",
+                 "--batch", "64", "--prompt-len", "2048", "--new-tokens", "64", "--repeats", "2"),
     rollout_args=("--model", "qwen3-0.6b", "--dtype", "bfloat16", "--rows", "128", "--group", "8",
                   "--turns", "3", "--median", "48", "--p90", "240", "--cap", "768", "--slots", "64",
                   "--chunk", "16", "--repeats", "1"),
@@ -91,6 +94,8 @@ TINY = Sizes(
     train_model=TOY, train_rows=2, train_length=16, train_prompt_len=8, train_repeats=2,
     decode_model=TOY, decode_rows=4, decode_prompt_len=8, decode_new_tokens=6, decode_chunk=4,
     decode_repeats=1,
+    layout_args=("--path", "engine", "--layers", "2", "--vocab", "64", "--batch", "2", "--prompt-len", "8",
+                 "--new-tokens", "4", "--repeats", "1"),
     rollout_args=("--model", "tiny", "--rows", "4", "--group", "2", "--turns", "2", "--median", "3",
                   "--p90", "6", "--cap", "8", "--slots", "4", "--chunk", "4", "--slot-levels", "1",
                   "--repeats", "1"),
@@ -357,6 +362,18 @@ def decode(given: StageInput) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- 5. rollout
+def decode_layout_stage(given: StageInput) -> dict[str, Any]:
+    """The decode-layout benchmark (``experiments.benchmarks.decode_layout``) at the sizes of
+    ``layout_args``: the engine's decode rate with the blocks scanned (the pretrained presets' default)
+    against unrolled, same weights."""
+    out = os.path.join(given.scratch, "decode_layout.json")
+    report = decode_layout.main([*given.sizes.layout_args, "--out", out])
+    keep = ("path", "model", "layers", "params", "dtype", "batch", "prompt_len", "new_tokens",
+            "decode_tokens_per_s", "scanned_over_unrolled", "scanned_over_unrolled_per_repeat",
+            "greedy_identical", "warmup_s", "device")
+    return {"args": list(given.sizes.layout_args), **{k: report[k] for k in keep}}
+
+
 def rollout_stage(given: StageInput) -> dict[str, Any]:
     """The rollout benchmark (``experiments.benchmarks.rollout``) at the sizes of ``rollout_args``."""
     out = os.path.join(given.scratch, "rollout.json")

@@ -65,6 +65,9 @@ def test_tiny_run_measures_every_stage_and_every_check_compares_something(tmp_pa
     assert decode["hf"]["new_tokens"] == TINY.decode_rows * TINY.decode_new_tokens
     assert decode["bytes_per_step"] > 0 and decode["copy_gbps_measured"] == env["copy_gbps"]
 
+    layout = stages["decode_layout"]
+    assert layout["path"] == "engine" and layout["greedy_identical"] and layout["scanned_over_unrolled"] > 0
+
     roll = stages["rollout"]
     assert roll["greedy_identical"] and roll["speedup"] > 0
     assert 0 < roll["useful_decode_fraction"]["engine"] <= 1
@@ -183,12 +186,14 @@ def test_greedy_tokens_differ_only_at_near_ties_of_the_reference():
 def test_the_default_sizes_are_valid_inputs_of_the_entry_points_they_drive(tiny_hf_model):
     """What only a GPU runs is still checked here: the rollout benchmark accepts the default arguments and
     the Kuhn Poker `small` preset accepts the default overrides of real_model."""
-    from experiments.benchmarks import rollout
+    from experiments.benchmarks import decode_layout, rollout
     from experiments.benchmarks.accelerator_stages import DEFAULT
     from experiments.environments import environment
 
     args = rollout.parse_args(list(DEFAULT.rollout_args))
     assert (args.model, args.dtype, args.rows, args.slots) == ("qwen3-0.6b", "bfloat16", 128, 64)
+    layout = decode_layout.parse_args(list(DEFAULT.layout_args))
+    assert (layout.path, layout.model, layout.layers, layout.batch) == ("engine", "qwen3-0.6b", 8, 64)
     overrides = {"model.path": tiny_hf_model, **DEFAULT.real_model_overrides}
     cfg = environment("kuhn_poker").config("small", overrides)
     assert (cfg.train.iterations, cfg.rollout.num_tasks, cfg.rollout.group_size) == (2, 4, 4)
