@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from flax import nnx
 
     from experiments.benchmarks.rollout import no_eos_automaton
-    from mage_jax.generate.engine import EngineRequest, RolloutEngine
+    from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
     from mage_jax.generate.sampler import Sampler
     from mage_jax.generate.step import SamplingParams
     from mage_jax.models.config import ModelConfig
@@ -93,7 +93,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         weights = stack_layers(state) if scan else state
         sampler = Sampler(gdef, cfg, eos_ids=[eos], pad_id=0, prompt_buckets=(args.prompt_len,),
                           batch_buckets=(args.batch,))
-
         engine = RolloutEngine(sampler, slots=args.batch, max_new_tokens=args.new_tokens)
 
         def run(new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -102,13 +101,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.path == "sampler":
                 tokens = sampler.generate(weights, prompts, params, key, constraints=automaton).tokens
             else:
-                session, tokens = engine.session(weights, params, key), [None] * len(prompts)
-                for row, prompt in enumerate(prompts):
-                    session.submit(EngineRequest(tag=row, prompt_ids=tuple(prompt), limit=new_tokens,
-                                                 automaton=automaton, key_path=(row, 0, 0)))
-                while session.busy:
-                    for result in session.step():
-                        tokens[result.tag] = result.tokens
+                done = generate_all(engine.session(weights, params, key), [
+                    EngineRequest(row, tuple(prompt), new_tokens, automaton, (row, 0, 0))
+                    for row, prompt in enumerate(prompts)])
+                tokens = [done[row].tokens for row in range(len(prompts))]
             return time.perf_counter() - t0, [list(map(int, t)) for t in tokens]
 
         return run
