@@ -95,7 +95,7 @@ TINY = Sizes(
     decode_model=TOY, decode_rows=4, decode_prompt_len=8, decode_new_tokens=6, decode_chunk=4,
     decode_repeats=1,
     layout_args=("--path", "engine", "--layers", "2", "--vocab", "64", "--batch", "2", "--prompt-len", "8",
-                 "--new-tokens", "4", "--repeats", "1"),
+                 "--new-tokens", "12", "--repeats", "2"),
     rollout_args=("--model", "tiny", "--rows", "4", "--group", "2", "--turns", "2", "--median", "3",
                   "--p90", "6", "--cap", "8", "--slots", "4", "--chunk", "4", "--slot-levels", "1",
                   "--repeats", "1"),
