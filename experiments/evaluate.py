@@ -36,8 +36,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-
 from experiments.baselines import method as get_method
 from experiments.baselines import method_config, method_protocol
 from experiments.common import (
@@ -48,7 +46,7 @@ from experiments.common import (
     split_dotted,
 )
 from experiments.environments import environment
-from mage_jax import compilation_cache
+from mage_jax import compilation_cache, host_random
 from mage_jax import config as C
 from mage_jax.evaluation.evaluator import EvalProtocol
 from mage_jax.evaluation.report import results_table
@@ -105,7 +103,7 @@ def evaluate_checkpoint(run_dir: str, *, step: int | None = None, out_dir: str |
     directory = best_checkpoint_dir(cfg, run_dir) if best else checkpoint_dir(cfg, run_dir)
     params, meta = parts.restore_params(directory, step)
     iteration = int(meta.get("iteration", 0))
-    base_key = key_from_json(meta["rng"]) if "rng" in meta else jax.random.key(cfg.train.seed)
+    base_key = key_from_json(meta["rng"]) if "rng" in meta else host_random.key(cfg.train.seed)
     return evaluate(cfg, protocol, experiment=f"{cfg.name}_eval", parts=parts, params=params,
                     key=evaluation_key(base_key, iteration), iteration=iteration,
                     checkpoint=os.path.abspath(run_dir))

@@ -230,20 +230,41 @@ class KeyStream:
     growing with the square of the depth. Here the count is updated once.
     """
 
-    def __init__(self, rngs: nnx.Rngs):
-        self.stream = rngs.params
-        self.key, self.start, self.count = self.stream.key[...], self.stream.count[...], 0
+    def __init__(self, rngs: nnx.Rngs | None, *, key: jax.Array | None = None,
+                 start: jax.Array | None = None):
+        """The keys of ``rngs``'s params stream, or (``rngs`` None) those of ``key`` from count ``start``."""
+        self.stream = None if rngs is None else rngs.params
+        self.key = self.stream.key[...] if key is None else key
+        self.start, self.count = self.stream.count[...] if start is None else start, 0
 
     def params(self) -> jax.Array:
         key = jax.random.fold_in(self.key, self.start + self.count)
         self.count += 1
         return key
 
+    def stacked(self, n: int, build: Callable[[KeyStream], nnx.Module]) -> nnx.Module:
+        """``n`` modules that ``build`` would make one after another from this stream, as one module whose
+        every variable has a leading axis of ``n``: the same values, drawn by one initialiser per variable
+        vmapped over the ``n`` modules' keys. A program that initialises a scanned model (fresh LoRA
+        adapters for a checkpoint, a random model) then holds one copy of each initialiser, not one per
+        layer: SmolLM2's adapters compiled for 34 s from 30 copies."""
+        probe = KeyStream(None, key=self.key, start=self.start + self.count)
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(probe)))
+        per_module, first = probe.count, self.start + self.count
+
+        def one(index: jax.Array) -> nnx.State:
+            return nnx.state(build(KeyStream(None, key=self.key, start=first + index * per_module)))
+
+        state = jax.vmap(one)(jnp.arange(n, dtype=jnp.asarray(first).dtype))
+        self.count += n * per_module
+        return nnx.merge(graphdef, state)
+
     def __enter__(self) -> KeyStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stream.count[...] = self.start + self.count
+        if self.stream is not None:
+            self.stream.count[...] = self.start + self.count
 
 
 def _linear(config: ModelConfig, n_in: int, n_out: int, bias: bool, rngs: KeyStream,
@@ -388,13 +409,6 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding.value, tokens, axis=0)
 
 
-def stack_blocks(blocks: list[Block]) -> Block:
-    """One block whose every variable is the blocks' variables stacked on a new leading layer axis."""
-    graphdef = nnx.graphdef(blocks[0])
-    states = [nnx.state(block) for block in blocks]
-    return nnx.merge(graphdef, jax.tree.map(lambda *layers: jnp.stack(layers), *states))
-
-
 def stack_layers(state: nnx.State) -> nnx.State:
     """An unrolled model's state (`layers/<i>/...`) in the scanned layout (`layers/...`, layer i at index
     i of the leading axis); other variables are shared as they are."""
@@ -431,9 +445,11 @@ class Transformer(nnx.Module):
         self.config = config
         with KeyStream(rngs) as keys:
             self.embed = Embed(config, keys)
-            blocks = [Block(config, keys) for _ in range(config.num_layers)]
-            # Scanned: the same blocks (the same initialisation) stacked into one with a leading layer axis.
-            self.layers = stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
+            # Scanned: the unrolled layout's blocks (the same values) as one with a leading layer axis.
+            if config.scan_layers:
+                self.layers = keys.stacked(config.num_layers, lambda layer_keys: Block(config, layer_keys))
+            else:
+                self.layers = nnx.List([Block(config, keys) for _ in range(config.num_layers)])
             self.final_norm = RMSNorm(
                 config.hidden_size, config.rms_norm_eps, dtype=config.jnp_dtype,
                 param_dtype=config.jnp_param_dtype,

@@ -409,12 +409,12 @@ def test_bad_requests_are_one_clear_error(tiny_sampler):
 # ------------------------------------------------------------------------------------ sharded slots
 _SHARDED = textwrap.dedent(
     """
-    import json
+    import dataclasses, json
     import jax, numpy as np
     from flax import nnx
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.sharding import MeshConfig, make_mesh, shard_state
-    from mage_jax.models.transformer import Transformer
+    from mage_jax.models.transformer import Transformer, stack_layers
     from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
     from mage_jax.generate.sampler import Sampler
     from mage_jax.generate.step import SamplingParams
@@ -429,9 +429,18 @@ _SHARDED = textwrap.dedent(
     # on devices that do not (prefilled again there: no cache row crosses devices).
     requests += [EngineRequest(i, tuple(range(4, 14)), 6, None, (i, 0, 0)) for i in range(24, 40)]
     out = {}
-    for name, mesh in (("one", None), ("data2_fsdp4", make_mesh(MeshConfig(data=2, fsdp=4, tensor=1)))):
-        placed = state if mesh is None else shard_state(state, mesh)
-        sampler = Sampler(graphdef, config, eos_ids=[3], pad_id=0, prompt_buckets=(16,), batch_buckets=(8,),
+    # The scanned layout (the pretrained presets' default) on the mesh too: its cache folds the layers
+    # into the kv-head axis, and its slot programs must shard and move it like the per-layer arrays.
+    scanned = dataclasses.replace(config, scan_layers=True)
+    layouts = {False: (config, graphdef, state),
+               True: (scanned, nnx.graphdef(nnx.eval_shape(lambda: Transformer(scanned, rngs=nnx.Rngs(0)))),
+                      stack_layers(state))}
+    data2_fsdp4 = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
+    for name, mesh, scan in (("one", None, False), ("data2_fsdp4", data2_fsdp4, False),
+                             ("data2_fsdp4_scanned", data2_fsdp4, True)):
+        cfg, gdef, weights = layouts[scan]
+        placed = weights if mesh is None else shard_state(weights, mesh)
+        sampler = Sampler(gdef, cfg, eos_ids=[3], pad_id=0, prompt_buckets=(16,), batch_buckets=(8,),
                           mesh=mesh)
         engine = RolloutEngine(sampler, slots=16, max_new_tokens=6, chunk=2)
         session = engine.session(placed, params, jax.random.key(0))
@@ -474,8 +483,8 @@ def test_slots_and_their_cache_shard_over_the_mesh_batch_axes_on_8_devices():
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
-    one, sharded = result["one"], result["data2_fsdp4"]
-    assert sharded["tokens"] == one["tokens"]
+    one, sharded, scanned = result["one"], result["data2_fsdp4"], result["data2_fsdp4_scanned"]
+    assert sharded["tokens"] == one["tokens"] == scanned["tokens"]
     assert all(t == one["tokens"][24] for t in one["tokens"][25:])  # greedy copies of one prompt
     # Copies of a prompt held on another device are prefilled there instead of copied across devices.
     assert sharded["prefill_rows"] > one["prefill_rows"]
@@ -489,7 +498,10 @@ def test_slots_and_their_cache_shard_over_the_mesh_batch_axes_on_8_devices():
     assert set(sharded["bucket_steps"]) <= {"8", "16"}
     total, per_device = sharded["cache_bytes"]
     assert total == one["cache_bytes"][0] and per_device * 8 == total  # 16 slots, two per device
-    assert sharded["cache_devices"] == 8
+    assert sharded["cache_devices"] == scanned["cache_devices"] == 8
+    # One stacked array holds both layers' keys, split over the devices like the per-layer ones.
+    assert scanned["cache_bytes"] == [2 * b for b in sharded["cache_bytes"]]
+    assert scanned["moves"] == sharded["moves"]
     assert sharded["slot_bytes"][1] * 8 == sharded["slot_bytes"][0]
     assert one["cache_bytes"][1] == one["cache_bytes"][0]
 
