@@ -247,7 +247,7 @@ class KeyStream:
         every variable has a leading axis of ``n``: the same values, drawn by one initialiser per variable
         vmapped over the ``n`` modules' keys. A program that initialises a scanned model (fresh LoRA
         adapters for a checkpoint, a random model) then holds one copy of each initialiser, not one per
-        layer: SmolLM2's adapters compiled for 34 s from 30 copies."""
+        layer (loading SmolLM2 with fresh rank-8 adapters, uncached: 10 s with 30 copies, 1.7 s)."""
         probe = KeyStream(None, key=self.key, start=self.start + self.count)
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(probe)))
         per_module, first = probe.count, self.start + self.count

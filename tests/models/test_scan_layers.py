@@ -110,7 +110,8 @@ def _initialisers(config: ModelConfig) -> int:
 
 
 def test_a_scanned_model_is_initialised_by_one_draw_per_variable_whatever_the_depth():
-    """Thirty per-layer copies of each initialiser made SmolLM2's adapter program compile for 34 s."""
+    """Thirty per-layer copies of each initialiser made loading SmolLM2 with fresh adapters take 10 s
+    (uncached) instead of 1.7 s: the adapter program's compile."""
     lora = dataclasses.replace(CONFIG, lora_rank=2)
     draws = {(scan, n): _initialisers(dataclasses.replace(lora, num_layers=n, scan_layers=scan))
              for scan in (False, True) for n in (2, 6)}
