@@ -10,7 +10,9 @@ reads XLA's per-device memory analysis:
 
 * ``train_grads``: the loss-and-gradient program of one mini-batch (``optim.mini_batch_rows`` rows at
   the longest row bucket, its micro-batches, the reference log-probs when the KL term is on);
-* ``train_apply``: the optimizer step (AdamW on the float32 gradients, the non-finite skip);
+* ``train_apply``: the optimizer step (AdamW on the float32 gradients, the non-finite skip). A run
+  executes both as one program (``TrainStep.update_program``, ``aot.lower_train_update``), which needs
+  no more than the larger of the two (``tests/experiments/test_plan.py`` compiles all three);
 * ``logprobs``: the old / reference log-prob recompute of one mini-batch;
 * ``insert`` and ``decode``: the rollout engine's programs at the preset's slots (``rollout.engine_slots``
   or ``training.assemble.make_engine``'s default): ``insert`` prefills every slot from its own prompt of
@@ -212,14 +214,14 @@ def make_setup(cfg: C.ExperimentConfig, devices: int, *, num_layers: int | None 
 
 
 def compile_train_grads(setup: Setup, rows: int, length: int) -> Any:
-    """The train step's loss-and-gradient program, as ``TrainStep.update`` runs it."""
+    """The loss-and-gradient half of the program ``TrainStep.update`` runs."""
     from mage_jax import aot
 
     return aot.lower_train_grads(setup.step, setup.params, setup.opt_state, rows, length).compile()
 
 
 def compile_train_apply(setup: Setup) -> Any:
-    """The optimizer step (state donated), as ``TrainStep.update`` runs it."""
+    """The optimizer-step half (state donated) of the program ``TrainStep.update`` runs."""
     from mage_jax import aot
 
     return aot.lower_train_apply(setup.step, setup.params, setup.opt_state,

@@ -5,8 +5,11 @@ the rollout engine) and *abstract* parameters (``jax.ShapeDtypeStruct`` leaves c
 shardings), and returns a ``jax.stages.Lowered`` of the very program the run jits; ``.compile()`` then
 gives XLA's memory and cost analysis per device without allocating anything:
 
-* ``lower_train_grads``: the loss-and-gradient program of one mini-batch (``TrainStep.update``);
-* ``lower_train_apply``: the optimizer step (state donated);
+* ``lower_train_update``: the update ``TrainStep.update`` runs: loss, gradients and the optimizer step
+  of one mini-batch in one program (state donated);
+* ``lower_train_grads`` and ``lower_train_apply``: its two halves as programs of their own, the
+  loss-and-gradient program and the optimizer step (state donated). The memory plan sizes these: each
+  part's need is visible, and the fused program needs no more than the larger (a test checks it);
 * ``lower_logprobs``: the old / reference log-prob recompute (``TrainStep.compute_logprobs``);
 * ``lower_rollout``: the rollout's generation programs: the engine's ``insert`` (prefill of every slot
   at the longest prompt bucket) and ``decode`` (one chunk of every slot over the whole cache), or with
@@ -57,16 +60,27 @@ def _update_programs(step: TrainStep, params: Any, opt_state: Any) -> tuple[Any,
     return step.update_programs(step.state_shardings(TrainState(params, opt_state, None)))
 
 
+def lower_train_update(step: TrainStep, params: Any, opt_state: Any, rows: int,
+                       length: int) -> jax.stages.Lowered:
+    """The update program of a mini-batch of ``rows`` x ``length`` (``TrainStep.update_program``): what
+    a training step runs."""
+    state = TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(step.mesh)))
+    program = step.update_program(step.state_shardings(state))
+    with jax.set_mesh(step.mesh):
+        return program.lower(state, abstract_train_batch(step, rows, length, update=True),
+                             jax.ShapeDtypeStruct((), jnp.float32))
+
+
 def lower_train_grads(step: TrainStep, params: Any, opt_state: Any, rows: int,
                       length: int) -> jax.stages.Lowered:
-    """The loss-and-gradient program of a mini-batch of ``rows`` x ``length``, as ``update`` runs it."""
+    """The loss-and-gradient program of a mini-batch of ``rows`` x ``length``: the update's first half."""
     grads, _ = _update_programs(step, params, opt_state)
     with jax.set_mesh(step.mesh):
         return grads.lower(params, abstract_train_batch(step, rows, length, update=True))
 
 
 def lower_train_apply(step: TrainStep, params: Any, opt_state: Any, rows: int) -> jax.stages.Lowered:
-    """The optimizer step (the state donated), as ``update`` runs it after the gradients."""
+    """The optimizer step (the state donated): the update's second half."""
     grads_program, apply = _update_programs(step, params, opt_state)
     one = replicated(step.mesh)
     state = TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=one))

@@ -96,6 +96,25 @@ def test_the_full_depth_compile_of_a_scanned_model_agrees_with_the_extrapolation
             assert guess[key] == pytest.approx(full[key], rel=0.05), (name, key, guess, full)
 
 
+def test_the_update_a_run_executes_needs_no_more_than_the_larger_of_the_two_halves_the_plan_sizes():
+    # The plan compiles the loss-and-gradient program and the optimizer step apart (each part's need is
+    # visible); the run fuses them (TrainStep.update_program). The fused program's need beyond the
+    # resident state is the larger half's, so the plan's peak is the run's.
+    from mage_jax import aot
+
+    cfg = plan.preset_config("kuhn_poker", "tiny", {"model.overrides": {"num_layers": 2}})
+    setup = plan.make_setup(cfg, 1, num_layers=2)
+    rows, length = cfg.optim.mini_batch_rows, 64
+    params, opt = plan.device_bytes(setup.params), plan.device_bytes(setup.opt_state)
+    grads = plan.ProgramMemory.of(plan.compile_train_grads(setup, rows, length)).peak - params
+    apply = plan.ProgramMemory.of(plan.compile_train_apply(setup)).peak - params - opt
+    fused = plan.ProgramMemory.of(aot.lower_train_update(setup.step, setup.params, setup.opt_state, rows,
+                                                         length).compile())
+    assert fused.flops > 0 and fused.alias >= params + opt - 1024  # the state is donated: updated in place
+    assert max(grads, apply) * 0.9 <= fused.peak - params - opt <= max(grads, apply) * 1.02, (grads, apply,
+                                                                                            fused)
+
+
 def _synthetic_plan(*, state: float, extra: dict[str, float], devices: int = 8) -> dict:
     programs = {name: {"rows": 64, "length": 12288, "flops": 1e15, "extra": e, "need": state + e}
                 for name, e in extra.items()}
