@@ -50,10 +50,12 @@ EXIT_INTERRUPTED = 75
 scheduler may simply run that command again); an evaluation-only run stops at its next turn and says
 what its directory holds. A second Ctrl-C exits at once with 130, saving nothing."""
 RESUMABLE_KEYS = ("train.iterations", "train.eval_every", "checkpoint.every", "checkpoint.keep",
-                  "checkpoint.stop_during_updates", "logging.", "compile.")
+                  "checkpoint.stop_during_updates", "logging.", "compile.", "model.overrides.scan_layers")
 """What ``--resume`` may change: how long the run goes on, its evaluation and checkpoint cadences, its
-logging and where compiled programs are cached. Everything else (shapes, data, algorithm) is the run's
-and stays as saved."""
+logging, where compiled programs are cached, and the decoder blocks' layout (the checkpoint restores
+only in the layout it was saved in, so this can only name that one: a run saved before its preset
+scanned its blocks resumes with ``--model.overrides.scan_layers false``). Everything else (shapes,
+data, algorithm) is the run's and stays as saved."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,8 +250,9 @@ def parse_command_line(
 
 def _check_resume_overrides(saved: C.ExperimentConfig, cfg: C.ExperimentConfig) -> None:
     """One ConfigError naming the first changed key that ``--resume`` may not change."""
-    before, after = _flat(C.to_dict(saved)), _flat(C.to_dict(cfg))
-    for key, value in after.items():
+    before, after = _entries(C.to_dict(saved)), _entries(C.to_dict(cfg))
+    for key in [*after, *(k for k in before if k not in after)]:
+        value = after.get(key)
         if key != "logging.run_dir" and before.get(key) != value and not key.startswith(RESUMABLE_KEYS):
             raise C.ConfigError(
                 f"--resume cannot change {key} (saved {before.get(key)!r}, asked {value!r}); a resumed run "
@@ -268,6 +271,17 @@ def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 _DICT_KEYS = frozenset(C.all_keys())
+
+
+def _entries(d: Mapping[str, Any]) -> dict[str, Any]:
+    """``_flat``, with each entry of a dict-valued key (``model.overrides``) a key of its own."""
+    out: dict[str, Any] = {}
+    for key, value in _flat(d).items():
+        if isinstance(value, Mapping):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
 
 
 def check_consistent(cfg: C.ExperimentConfig, preset: str | None = None) -> None:

@@ -1,6 +1,6 @@
 """Export a trained checkpoint as a Hugging Face model folder.
 
-    python -m experiments.export --run-dir runs/kuhn_poker/RUN --best --out-dir DIR
+    python -m experiments.export --run-dir runs/kuhn_poker/RUN --best --out-dir DIR [--KEY VALUE ...]
 
 ``--best`` exports the best validated state (``checkpoints_best/``, kept when ``train.validate_every``
 > 0): the state the run's final evaluation and ``summary.json`` measure. Without it the latest
@@ -13,6 +13,11 @@ load it and ``generate`` stops at the run's end-of-turn tokens. A run trained fr
 built-in word-level tokenizer; it is written as a ``PreTrainedTokenizerFast`` that encodes prompts
 exactly as training did. A missing run, step or best state, or a non-empty ``--out``, is one
 ``error:`` line (exit 2).
+
+Keys of the run's config may be overridden as in training (``--model.overrides.scan_layers false``,
+``--set KEY=VALUE``). A checkpoint whose decoder blocks are in another layout than the one the run's
+config gives today (one block per layer, saved before its preset scanned them) is an error line that
+names the override which restores it.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from experiments.common import EXIT_CONFIG_ERROR, ConfigErrorParser
+from experiments.common import EXIT_CONFIG_ERROR, ConfigErrorParser, split_dotted
 from mage_jax import config as C
 from mage_jax.models.hf_loading import export_hf
 from mage_jax.training.assemble import best_checkpoint_dir, build_parts, checkpoint_dir
@@ -52,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="checkpoint step (default: the latest intact one)")
     p.add_argument("--out-dir", "--out", dest="out_dir", required=True,
                    help="the new Hugging Face model folder (must not hold files)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the run's config (repeatable); --KEY VALUE works too")
     return p
 
 
@@ -63,14 +71,16 @@ def _best_iteration(directory: str) -> int | None:
         return ckpt.latest_step()
 
 
-def export_run(run_dir: str, out_dir: str, *, step: int | None = None, best: bool = False) -> ExportResult:
+def export_run(run_dir: str, out_dir: str, *, step: int | None = None, best: bool = False,
+               overrides: dict[str, Any] | None = None) -> ExportResult:
     """Write the parameters of ``run_dir``'s checkpoint ``step`` (default: latest; ``best``: its best
-    validated state) and its tokenizer."""
+    validated state) and its tokenizer; ``overrides`` change keys of the run's config first."""
     if not os.path.isfile(os.path.join(run_dir, C.CONFIG_FILE)):
         raise C.ConfigError(f"--run-dir {run_dir!r} holds no {C.CONFIG_FILE}; pass a training run directory")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise C.ConfigError(f"--out-dir {out_dir!r} already exists and is not an empty folder")
-    cfg = C.load(run_dir)
+    cfg = C.apply_overrides(C.load(run_dir), overrides or {})
+    C.validate(cfg)
     best_dir = best_checkpoint_dir(cfg, run_dir)
     best_iteration = _best_iteration(best_dir)
     if best and best_iteration is None:
@@ -90,11 +100,13 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None, best: boo
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        dotted, rest = split_dotted(argv)
         try:
-            args = _parser().parse_args(argv)
+            args = _parser().parse_args(rest)
         except SystemExit:  # --help
             return 0
-        result = export_run(args.run_dir, args.out_dir, step=args.step, best=args.best)
+        overrides = dict([C.parse_assignment(s) for s in args.sets] + dotted)
+        result = export_run(args.run_dir, args.out_dir, step=args.step, best=args.best, overrides=overrides)
     except C.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

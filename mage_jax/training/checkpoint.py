@@ -153,7 +153,8 @@ def _layout_hint(saved: Mapping[str, Any], template: Any) -> str:
         return ""
     saved_layout, this_layout = ("unrolled", "scanned") if have else ("scanned", "unrolled")
     return (f" (its decoder blocks are {saved_layout}, this run's are {this_layout}: ModelConfig.scan_layers "
-            f"differs, and a checkpoint restores only in the layout it was saved in)")
+            f"differs, and a checkpoint restores only in the layout it was saved in; add "
+            f"--model.overrides.scan_layers {str(not have).lower()} to the command)")
 
 
 def meta_digest(meta: Mapping[str, Any]) -> str:

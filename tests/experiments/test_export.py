@@ -168,3 +168,24 @@ def test_export_problems_are_one_error_line(trained_run, tmp_path, capsys, case,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message.format(run=run, out=out)), err
     assert case == "occupied_out" or not out.exists()
+
+
+def test_a_checkpoint_in_the_other_block_layout_names_the_override_that_exports_it(trained_run, tmp_path,
+                                                                                    capsys):
+    # The run trained unrolled; its config, as a preset that now scans would give it, asks for scanned
+    # blocks: the error line names the flag, and with it the export runs.
+    run = shutil.copytree(trained_run, tmp_path / "run")
+    config = json.loads((run / "config.json").read_text())
+    config["model"]["overrides"]["scan_layers"] = True
+    (run / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "hf"
+    assert export.main(["--run-dir", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "add --model.overrides.scan_layers false to the command" in err[0], err
+    assert not out.exists()
+    flag = ["--model.overrides.scan_layers", "false"]
+    assert export.main(["--run-dir", str(run), "--out", str(out), *flag]) == 0
+    latest, _ = _restored(trained_run, checkpoint_dir)
+    for a, b in zip(latest, _exported(out), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+

@@ -121,6 +121,24 @@ def test_resume_may_train_a_finished_run_further_and_change_cadences(finished, c
     assert json.loads((run_dir / "config.json").read_text())["train"]["iterations"] == 3
 
 
+def test_a_run_saved_in_the_other_block_layout_resumes_with_the_flag_its_error_names(finished, copy_of,
+                                                                                     capsys):
+    # The run trained unrolled; its config, as a preset that now scans would give it, asks for scanned
+    # blocks. The refusal names the flag, which --resume accepts, and the run goes on with it.
+    run_dir = copy_of(finished)
+    config = json.loads((run_dir / "config.json").read_text())
+    config["model"]["overrides"]["scan_layers"] = True
+    (run_dir / "config.json").write_text(json.dumps(config))
+    argv = ["--run-dir", str(run_dir), "--resume", "--train.iterations", "3"]
+    capsys.readouterr()
+    assert kuhn_poker.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "add --model.overrides.scan_layers false to the command" in err[0], err
+    assert kuhn_poker.main([*argv, "--model.overrides.scan_layers", "false"]) == 0
+    assert json.loads((run_dir / FINISHED_FILE).read_text()) == {"iteration": 3}
+    assert json.loads((run_dir / "config.json").read_text())["model"]["overrides"]["scan_layers"] is False
+
+
 def test_evaluating_a_step_the_run_does_not_have_is_one_line(finished, tmp_path, capsys):
     out = tmp_path / "eval"
     assert evaluate.main(["--run-dir", str(finished), "--step", "7", "--out-dir", str(out)]) == 2

@@ -294,3 +294,11 @@ def test_a_scanned_models_stacked_state_round_trips_and_the_other_layout_says_ho
         ckpt.restore(model_state(False, 0))
     hint = "(its decoder blocks are scanned, this run's are unrolled: ModelConfig.scan_layers differs"
     assert hint in str(info.value) and "\n" not in str(info.value)
+    assert "add --model.overrides.scan_layers true to the command)" in str(info.value)  # the saved layout
+    # A run saved before its preset scanned (unrolled) resumes in a scanned run's place with the other flag.
+    with Checkpointer(str(tmp_path / "unrolled"), keep=1) as ckpt:
+        ckpt.save(1, model_state(False, 1), {"iteration": 1})
+    with Checkpointer(str(tmp_path / "unrolled"), keep=1) as ckpt, pytest.raises(CheckpointMismatch) as info:
+        ckpt.restore(model_state(True, 0))
+    assert "blocks are unrolled, this run's are scanned" in str(info.value)
+    assert "add --model.overrides.scan_layers false to the command)" in str(info.value)
