@@ -228,6 +228,10 @@ class RolloutConfig:
     most 64; always rounded up to the mesh's batch ways."""
     engine_chunk: int = 8
     """Decode steps between the engine's host checks (a finished row waits at most this many steps)."""
+    engine_windows: int = 1
+    """Decode window sizes of the engine: 1 attends over the whole KV cache every step; k > 1 adds its
+    half, quarter, ... (k sizes), so a chunk whose slots all hold short prompts reads only the prefix
+    they need: faster decoding at long contexts for k - 1 more decode programs per slot bucket."""
 
     @property
     def reflection_tokens(self) -> int:
@@ -510,6 +514,7 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     check(all(b >= 1 for b in r.length_buckets), "rollout.length_buckets must be positive")
     check(r.engine_slots >= 0, f"rollout.engine_slots must be >= 0 (got {r.engine_slots})")
     check(r.engine_chunk >= 1, f"rollout.engine_chunk must be >= 1 (got {r.engine_chunk})")
+    check(r.engine_windows >= 1, f"rollout.engine_windows must be >= 1 (got {r.engine_windows})")
     # algorithm
     one_of("algorithm.estimator", a.estimator, advantages.available_advantages())
     check(0 <= a.gamma_step <= 1, f"algorithm.gamma_step must be in [0, 1] (got {a.gamma_step})")

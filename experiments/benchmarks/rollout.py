@@ -1,7 +1,8 @@
 """Rollout engine against lockstep generation on a turn-heavy workload of uneven responses.
 
     python -m experiments.benchmarks.rollout [--rows 128 --group 8 --turns 4 --slots 64 --chunk 8]
-        [--slot-levels 4] [--median 24 --p90 120 --cap 320] [--model tiny] [--repeats 3] [--threads 0]
+        [--slot-levels 4] [--windows 1] [--median 24 --p90 120 --cap 320] [--model tiny] [--repeats 3]
+        [--threads 0]
         [--out runs/benchmarks/rollout.json]
 
 ``--rows`` conversations (``--group`` copies per group share their first prompt) each run ``--turns``
@@ -15,7 +16,9 @@ last 8 response tokens and 8 fresh observation tokens), at most 120 tokens.
 * engine: ``RolloutEngine`` with ``--slots`` slots and ``--chunk`` steps per host check; a row's next
   prompt is submitted as soon as its response is back (priority: earlier turns first). Running slots are
   packed into the front of the slot array and a chunk decodes the smallest of ``--slot-levels`` slot
-  buckets (all slots, half, quarter, ...) that holds them.
+  buckets (all slots, half, quarter, ...) that holds them, attending over the smallest of ``--windows``
+  cache prefixes (the whole cache, half, quarter, ...: ``rollout.engine_windows``) that holds its
+  furthest slot's next writes; ``engine_window_steps`` splits the decode steps by that prefix.
 
 Both decode greedily with the same random model (``--model tiny``: the ``tiny`` preset, 4 layers,
 hidden 128; ``qwen3-0.6b`` for an accelerator), so ``greedy_identical`` checks every token. Each path is
@@ -55,6 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=8)
     parser.add_argument("--slot-levels", type=int, default=4, help="slot buckets: all slots, 1/2, 1/4, ...")
+    parser.add_argument("--windows", type=int, default=1, help="decode windows: whole cache, 1/2, 1/4, ...")
     parser.add_argument("--model", default="tiny", help="a ModelConfig preset (random weights)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
@@ -148,7 +152,8 @@ def run_engine(engine, state, work: Workload, turns: int, params, automaton, key
     return dict(seconds=seconds, responses=responses, prefill_tokens=s.prefill_tokens,
                 useful_decode_fraction=s.useful_decode_fraction, decode_row_steps=s.decode_row_steps,
                 decode_steps=s.decode_steps, inserts=s.inserts, moves=s.moves,
-                bucket_steps={str(rows): n for rows, n in sorted(s.bucket_steps.items())})
+                bucket_steps={str(rows): n for rows, n in sorted(s.bucket_steps.items())},
+                window_steps={str(w): n for w, n in sorted(s.window_steps.items())})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -180,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sampler = Sampler(graphdef, config, eos_ids=[eos], pad_id=pad, prompt_buckets=(64, 128),
                       batch_buckets=(args.rows,))
     engine = RolloutEngine(sampler, slots=args.slots, max_new_tokens=args.cap, chunk=args.chunk,
-                           slot_levels=args.slot_levels)
+                           slot_levels=args.slot_levels, window_levels=args.windows)
     work = Workload(args, config.vocab_size)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.cap)
     automaton = no_eos_automaton(config.vocab_size, eos)
@@ -224,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "response_length_mean": round(float(lengths.mean()), 2),
             "turns_with_a_row_at_the_cap": int((lengths.max(axis=0) == args.cap).sum()),
         },
-        "slots": args.slots, "chunk": args.chunk, "slot_levels": args.slot_levels, "repeats": args.repeats,
+        "slots": args.slots, "chunk": args.chunk, "slot_levels": args.slot_levels, "windows": args.windows,
+        "repeats": args.repeats,
         "lockstep_seconds": round(float(np.median(lock_s)), 4),
         "engine_seconds": round(float(np.median(eng_s)), 4),
         "speedup": round(float(np.median(ratios)), 3),
@@ -246,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "engine_inserts": runs["engine"][0]["inserts"],
         "engine_decode_steps": runs["engine"][0]["decode_steps"],
         "engine_bucket_steps": runs["engine"][0]["bucket_steps"],
+        "engine_window_steps": runs["engine"][0]["window_steps"],
         "engine_moves": runs["engine"][0]["moves"],
         "compiles_after_warmup": compiles_after,
         "greedy_identical": bool(identical),

@@ -118,6 +118,8 @@ class EngineStats:
     decode_tokens: int = 0
     bucket_steps: dict[int, int] = dataclasses.field(default_factory=dict)
     """Decode steps by the rows their program computed (a slot bucket times the mesh's batch ways)."""
+    window_steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Decode steps by the cache positions their attention read (``window_levels``)."""
     moves: int = 0
     """Slots moved to pack the running ones into the front of their device's block."""
     insert_bytes: int = 0
@@ -150,16 +152,22 @@ class RolloutEngine:
     ``sampler`` gives the model graph, special ids, prompt buckets and mesh; ``slots`` is the number of
     concurrent rows (a multiple of the mesh's data x fsdp ways); ``max_new_tokens`` the longest response;
     ``insert_rows`` the requests one insert program starts per device block (more are split);
+    ``window_levels``: the cache prefixes a decode chunk may attend over, the whole cache, its half, its
+    quarter, ... (that many, one decode program each per slot bucket); a chunk takes the smallest that
+    holds its furthest slot's next writes (a slot's decode writes start at its insert's prompt bucket,
+    so slots with short prompts early in a rollout read a short prefix). 1: always the whole cache, and
+    no slot positions are read back before a dispatch;
     ``overlap``: dispatch the next decode chunk before the caller's host work (``EngineSession.step``).
     """
 
     def __init__(self, sampler: Sampler, *, slots: int, max_new_tokens: int, chunk: int = DEFAULT_CHUNK,
                  slot_levels: int = DEFAULT_SLOT_LEVELS, insert_rows: int = DEFAULT_INSERT_ROWS,
-                 overlap: bool = True):
+                 window_levels: int = 1, overlap: bool = True):
         self.sampler = sampler
         self.overlap = overlap
         self.kernels = SlotSampler.shared(sampler, slots=slots, max_new_tokens=max_new_tokens, chunk=chunk,
-                                          slot_levels=slot_levels, insert_rows=insert_rows)
+                                          slot_levels=slot_levels, insert_rows=insert_rows,
+                                          window_levels=window_levels)
         self.bank = ConstraintBank(sampler.vocab_size)  # the run's automata on the device
         self.automata = AutomatonCache()  # the policies' automata, kept across rollouts
         self.last_stats: EngineStats | None = None  # the counters of the latest session
@@ -197,7 +205,7 @@ class EngineSession:
         self.prefixes: dict[tuple[int, ...], Donor] = {}  # prompts held by some slot's cache
         self.slot_prompt: dict[int, tuple[int, ...]] = {}
         self.stats = EngineStats()
-        self._pending: tuple[jax.Array, int] | None = None  # a dispatched decode chunk: (steps, rows)
+        self._pending: tuple[jax.Array, int, int] | None = None  # a dispatched chunk: (steps, rows, window)
         engine.last_stats = self.stats
 
     @property
@@ -266,19 +274,21 @@ class EngineSession:
         kernels = self.kernels
         furthest = int(to_host(self.slots.write)[decoding].max()) if len(kernels.windows) > 1 else 0
         bucket = kernels.slot_bucket(max(s % kernels.local_slots for s in decoding))
-        self.slots, steps = kernels.decode(self.state, self.slots, self.params, self.key,
-                                           kernels.window(furthest), bucket, bank=self._bank())
-        self._pending = (steps, bucket * kernels.ways)
+        window = kernels.window(furthest)
+        self.slots, steps = kernels.decode(self.state, self.slots, self.params, self.key, window, bucket,
+                                           bank=self._bank())
+        self._pending = (steps, bucket * kernels.ways, window)
 
     def _wait(self) -> np.ndarray:
         """Finish the dispatched chunk (its counters) and return every slot's done flag."""
         if self._pending is not None:
-            steps, rows = self._pending
+            steps, rows, window = self._pending
             self._pending = None
             steps = int(steps)
             self.stats.decode_steps += steps
             self.stats.decode_row_steps += steps * rows
             self.stats.bucket_steps[rows] = self.stats.bucket_steps.get(rows, 0) + steps
+            self.stats.window_steps[window] = self.stats.window_steps.get(window, 0) + steps
         return to_host(self.slots.done)
 
     def _bank(self) -> Any:

@@ -127,10 +127,12 @@ class SlotSampler:
     ids, prompt buckets, mesh and parameter shardings); see the module docstring."""
 
     def __init__(self, sampler: Sampler, *, slots: int, max_new_tokens: int, chunk: int,
-                 slot_levels: int = DEFAULT_SLOT_LEVELS, insert_rows: int = DEFAULT_INSERT_ROWS):
-        if min(slots, chunk, max_new_tokens, slot_levels, insert_rows) < 1:
-            raise ValueError(f"slots, chunk, max_new_tokens, slot_levels and insert_rows must be positive, "
-                             f"got {slots}, {chunk}, {max_new_tokens}, {slot_levels}, {insert_rows}")
+                 slot_levels: int = DEFAULT_SLOT_LEVELS, insert_rows: int = DEFAULT_INSERT_ROWS,
+                 window_levels: int = 1):
+        if min(slots, chunk, max_new_tokens, slot_levels, insert_rows, window_levels) < 1:
+            raise ValueError(f"slots, chunk, max_new_tokens, slot_levels, insert_rows and window_levels must "
+                             f"be positive, got {slots}, {chunk}, {max_new_tokens}, {slot_levels}, "
+                             f"{insert_rows}, {window_levels}")
         mesh = sampler.mesh
         ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
         if slots % ways:
@@ -146,7 +148,9 @@ class SlotSampler:
         self.max_new_tokens = int(max_new_tokens)
         self.chunk = int(chunk)
         self.max_len = sampler.prompt_buckets[-1] + self.max_new_tokens
-        self.windows = (self.max_len,)
+        # Decode windows: the whole cache, its half, ... (window_levels of them, none under a chunk).
+        self.windows = tuple(sorted({max(-(-self.max_len // 2**k), self.chunk)
+                                     for k in range(window_levels)}))
         self.compile_count = 0
         self._insert: Callable | None = None
         self._decodes: dict[tuple[int, int], Callable] = {}
@@ -515,9 +519,9 @@ class SlotSampler:
     # ----------------------------------------------------------------------------------- decode
     def window(self, furthest_write: int) -> int:
         """The cache prefix a decode chunk attends over: the smallest of ``windows`` that holds
-        ``furthest_write + chunk`` positions. By default the only window is the whole cache: decode
-        attention costs in proportion to the window, but every window is one more program per slot
-        bucket to compile (``decode(window=...)`` still takes any)."""
+        ``furthest_write + chunk`` positions. By default (``window_levels=1``) the only window is the whole
+        cache: decode attention costs in proportion to the window, but every window is one more program
+        per slot bucket to compile (``decode(window=...)`` still takes any)."""
         return shapes.bucket(furthest_write + self.chunk, self.windows)
 
     def decode(self, state: Any, slots: Slots, params: SamplingParams, key: jax.Array,

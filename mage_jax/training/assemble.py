@@ -429,7 +429,7 @@ def make_engine(cfg: C.ExperimentConfig, sampler: Sampler, mesh: Any) -> Rollout
     batch_axis = mesh.shape["data"] * mesh.shape["fsdp"]
     slots = r.engine_slots or min(sampler_batch_buckets(cfg, mesh)[-1], 64)
     slots = -(-slots // batch_axis) * batch_axis
-    return RolloutEngine(sampler, slots=slots, chunk=r.engine_chunk,
+    return RolloutEngine(sampler, slots=slots, chunk=r.engine_chunk, window_levels=r.engine_windows,
                          max_new_tokens=r.max_new_tokens)
 
 

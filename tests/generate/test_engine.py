@@ -205,6 +205,29 @@ def test_greedy_engine_gives_the_lockstep_samplers_tokens_and_logprobs(tiny_samp
     assert session.stats.decode_row_steps == sum(rows * n for rows, n in session.stats.bucket_steps.items())
 
 
+def test_decode_windows_read_only_the_cache_prefix_the_slots_need_and_give_the_same_tokens(tiny_sampler):
+    """``window_levels=3``: a chunk attends over the smallest of the whole cache (16 + 12 positions), its
+    half and its quarter that holds its furthest slot's next writes. Prompts of the 8-token bucket start
+    decoding at position 8, so their first chunks read 14 positions; the same greedy tokens and
+    log-probs as the lockstep sampler."""
+    sampler, state = tiny_sampler
+    prompts, limits, automata = mixed_batch()
+    prompts = [p[:8] for p in prompts]  # the 8-token bucket (the twins stay twins)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    ref = sampler.generate(state, prompts, params, jax.random.key(0), constraints=automata,
+                           max_new_tokens_per_row=np.asarray(limits))
+    engine = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=3, window_levels=3, overlap=False)
+    assert engine.kernels.windows == (7, 14, 28)
+    session = engine.session(state, params, jax.random.key(0))
+    out = generate_all(session, requests_of(prompts, limits, automata))
+    for i in range(len(prompts)):
+        np.testing.assert_array_equal(out[i].tokens, ref.tokens[i])
+        np.testing.assert_allclose(out[i].logprobs, ref.logprobs[i], atol=1e-5)
+    windows = session.stats.window_steps
+    assert windows.get(14, 0) > 0 and windows.get(28, 0) > 0, windows  # short, then the long responses
+    assert sum(windows.values()) == session.stats.decode_steps
+
+
 def test_a_prompt_copied_after_its_slot_moved_comes_from_the_moved_slot(tiny_sampler, engines):
     """The donor of a prompt follows its slot when the slot moves. 3 slots, chunk 2: C (prompt P, its
     response constrained) is moved from slot 2 to slot 0; slot 2 is reused by another prompt; then E
