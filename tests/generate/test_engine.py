@@ -550,6 +550,12 @@ def test_engine_is_the_default_and_lockstep_is_a_switch(tiny_sampler):
         tiny_config("kuhn_poker", engine="fast")
     with pytest.raises(C.ConfigError, match="rollout.engine_chunk"):
         tiny_config("kuhn_poker", engine_chunk=0)
+    assert len(engine.kernels.windows) == 1  # the whole cache only, by default
+    windowed = make_engine(tiny_config("kuhn_poker", engine_windows=3), sampler, mesh_of(data=1, fsdp=1))
+    whole = windowed.kernels.max_len
+    assert windowed.kernels.windows == (-(-whole // 4), -(-whole // 2), whole)
+    with pytest.raises(C.ConfigError, match="rollout.engine_windows must be >= 1"):
+        tiny_config("kuhn_poker", engine_windows=0)
 
 
 def test_automaton_cache_keeps_the_recently_used_automata_within_its_bytes():
