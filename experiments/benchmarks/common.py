@@ -105,6 +105,18 @@ def write_batch_report(
     return write_report(report, args.out)
 
 
+def write_timed_report(fields: dict[str, Any], out: str | Path, *, load_before: float,
+                       started: float) -> dict[str, Any]:
+    """``fields``, then the 1-minute load average before (``load_before``) and now, the machine and the
+    seconds since ``started``; printed and written to ``out``."""
+    return write_report({
+        **fields,
+        "load_average": {"before": load_before, "after": load_average()},
+        "machine": machine(),
+        "total_s": round(time.perf_counter() - started, 2),
+    }, out)
+
+
 def write_report(report: dict[str, Any], out: str | Path) -> dict[str, Any]:
     """Print the report as JSON and write it to ``out`` (parents created); returns it."""
     text = json.dumps(report, indent=2)

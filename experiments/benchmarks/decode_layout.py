@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.benchmarks.common import load_average, machine, spread, write_report
+from experiments.benchmarks.common import load_average, spread, write_timed_report
 
 LAYOUTS = {"unrolled": False, "scanned": True}
 
@@ -154,11 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "greedy_identical": tokens["scanned"] == tokens["unrolled"]
         and all(len(t) == args.new_tokens for t in tokens["unrolled"]),
         "warmup_s": warmup_s,
-        "load_average": {"before": load_before, "after": load_average()},
-        "machine": machine(),
-        "total_s": round(time.perf_counter() - started, 2),
     }
-    return write_report(report, args.out)
+    return write_timed_report(report, args.out, load_before=load_before, started=started)
 
 
 if __name__ == "__main__":

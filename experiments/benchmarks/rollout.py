@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.benchmarks.common import load_average, machine, spread, write_report
+from experiments.benchmarks.common import load_average, spread, write_timed_report
 
 OBS_TOKENS, TAIL_TOKENS, MAX_PROMPT = 8, 8, 120
 
@@ -257,11 +257,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "compiles_after_warmup": compiles_after,
         "greedy_identical": bool(identical),
         "warmup_s": round(warmup_s, 2),
-        "load_average": {"before": load_before, "after": load_average()},
-        "machine": machine(),
-        "total_s": round(time.perf_counter() - started, 2),
     }
-    return write_report(report, args.out)
+    return write_timed_report(report, args.out, load_before=load_before, started=started)
 
 
 if __name__ == "__main__":

@@ -248,9 +248,10 @@ class KeyStream:
         vmapped over the ``n`` modules' keys. A program that initialises a scanned model (fresh LoRA
         adapters for a checkpoint, a random model) then holds one copy of each initialiser, not one per
         layer (loading SmolLM2 with fresh rank-8 adapters, uncached: 10 s with 30 copies, 1.7 s)."""
-        probe = KeyStream(None, key=self.key, start=self.start + self.count)
+        first = self.start + self.count
+        probe = KeyStream(None, key=self.key, start=first)
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: build(probe)))
-        per_module, first = probe.count, self.start + self.count
+        per_module = probe.count
 
         def one(index: jax.Array) -> nnx.State:
             return nnx.state(build(KeyStream(None, key=self.key, start=first + index * per_module)))
