@@ -1,6 +1,7 @@
 """Suite-wide: the XLA flags (``tests/xla_env.py``: LLVM's optimisation of the tiny programs off), a
 persistent compilation cache, the collection order (files with a test marked
-``slow`` come first) and the real-model fixture.
+``slow`` come first), what happens when a worker dies (``tests/worker_crashes.py``) and the
+real-model fixture.
 
 The cache: most of the suite's time is XLA compiling the same programs as the last run did, so the
 suite keeps them in a folder outside the clone (``$XDG_CACHE_HOME/mage-jax/jax-tests``, i.e.
@@ -23,6 +24,8 @@ import pytest
 
 from mage_jax import compilation_cache
 from tests.xla_env import suite_flags, with_flags
+
+pytest_plugins = ["tests.worker_crashes"]  # a dead xdist worker's test runs once more, then fails
 
 os.environ["XLA_FLAGS"] = with_flags(suite_flags())  # before anything starts XLA (tests/xla_env.py)
 

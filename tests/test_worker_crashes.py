@@ -1,0 +1,95 @@
+"""A worker that dies (a native crash, or the hang guard) costs the suite one rerun of the test it died
+in, never a stalled run: every other test still runs, a crash the rerun survives is a "rerun" and not
+a failure, and a test that kills its worker every time fails. Each case is a small pytest run on two
+workers, scheduled as the suite is (``tests/worker_crashes.py``, ``--dist loadfile``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+INI = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+
+PASSING = """
+    import time
+
+    def test_one(): time.sleep(0.2)
+    def test_two(): time.sleep(0.2)
+    def test_three(): time.sleep(0.2)
+"""
+
+
+def run_suite(folder: Path, files: dict[str, str], *options: str) -> subprocess.CompletedProcess:
+    for name, text in files.items():
+        (folder / name).write_text(textwrap.dedent(text))
+    command = [sys.executable, "-m", "pytest", "-p", "tests.worker_crashes", "-p", "no:cacheprovider", "-rA",
+               "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", *options]
+    return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def passed(out: subprocess.CompletedProcess) -> set[str]:
+    return {line.split()[1] for line in out.stdout.splitlines() if line.startswith("PASSED ")}
+
+
+def test_a_test_that_crashes_its_worker_once_runs_again_and_the_run_passes(tmp_path):
+    marker = tmp_path / "crashed-once"
+    out = run_suite(tmp_path, {
+        "test_a.py": PASSING,
+        "test_b.py": f"""
+            import os, pathlib, signal
+
+            def test_before(): pass
+            def test_segfaults_once():
+                marker = pathlib.Path({str(marker)!r})
+                if not marker.exists():
+                    marker.touch()
+                    os.kill(os.getpid(), signal.SIGSEGV)
+            def test_after(): pass
+        """,
+        "test_c.py": PASSING,
+    })
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert passed(out) == {f"test_{f}.py::test_{t}" for f in "ac" for t in ("one", "two", "three")} | {
+        "test_b.py::test_before", "test_b.py::test_segfaults_once", "test_b.py::test_after"}
+    assert "crashed while running 'test_b.py::test_segfaults_once'; run again on a fresh worker" in out.stdout
+    assert "Segmentation fault" in out.stderr + out.stdout  # faulthandler's stack of the crash is kept
+    assert " 9 passed, 1 rerun in " in out.stdout.splitlines()[-1]
+
+
+def test_a_test_that_always_kills_its_worker_fails_after_one_rerun_and_everything_else_runs(tmp_path):
+    exit_on_timeout = INI["faulthandler_exit_on_timeout"]  # the suite's own setting; its timeout is 3 s here
+    out = run_suite(tmp_path, {
+        "test_a.py": PASSING,
+        "test_b.py": """
+            import os, signal
+
+            def test_before(): pass
+            def test_segfaults(): os.kill(os.getpid(), signal.SIGSEGV)
+            def test_after(): pass
+        """,
+        "test_c.py": PASSING,
+        "test_d.py": """
+            import time
+
+            def test_hangs(): time.sleep(300)
+        """,
+        "test_e.py": PASSING,
+    }, "-o", "faulthandler_timeout=3", "-o", f"faulthandler_exit_on_timeout={exit_on_timeout}")
+    assert out.returncode == 1
+    assert passed(out) == {f"test_{f}.py::test_{t}" for f in "ace" for t in ("one", "two", "three")} | {
+        "test_b.py::test_before", "test_b.py::test_after"}
+    summary = out.stdout.splitlines()[-1]
+    assert " 2 failed, 11 passed, 2 rerun in " in summary, summary
+    for test in ("test_b.py::test_segfaults", "test_d.py::test_hangs"):
+        assert f"FAILED {test} - worker" in out.stdout
+    assert "Timeout (0:00:03)!" in out.stderr + out.stdout  # the hang guard dumped the stuck stack
+
+
+def test_the_suite_guards_against_hangs_with_a_timeout_that_ends_the_worker():
+    assert INI["faulthandler_exit_on_timeout"] is True and 600 <= INI["faulthandler_timeout"] <= 1200
