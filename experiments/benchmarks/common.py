@@ -111,7 +111,7 @@ def write_timed_report(fields: dict[str, Any], out: str | Path, *, load_before: 
     seconds since ``started``; printed and written to ``out``."""
     return write_report({
         **fields,
-        "load_average": {"before": load_before, "after": load_average()},
+        "load_average": load_span(load_before),
         "machine": machine(),
         "total_s": round(time.perf_counter() - started, 2),
     }, out)
@@ -163,7 +163,7 @@ def write_model_report(name: str, fields: dict[str, Any], out: str | Path, *, lo
         "benchmark": name,
         "command": f"python -m experiments.benchmarks.{name}",
         **fields,
-        "load_avg_1m": {"before": load_before, "after": load_average()},
+        "load_average": load_span(load_before),
         "machine": machine(),
     }
     return write_report(report, out)
@@ -268,6 +268,11 @@ def spread(times: Sequence[float]) -> dict[str, float]:
         "median": round(statistics.median(times), 4),
         "max": round(max(times), 4),
     }
+
+
+def load_span(before: float) -> dict[str, float]:
+    """A report's ``load_average`` entry: the 1-minute load average ``before`` the measurement and now."""
+    return {"before": before, "after": load_average()}
 
 
 def load_average() -> float:

@@ -81,7 +81,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.benchmarks.common import load_average, machine, write_report
+from experiments.benchmarks.common import load_average, load_span, machine, write_report
 from mage_jax.envs import make_env
 from mage_jax.envs import workers as env_workers
 from mage_jax.envs.alfworld import write_tiny_alfred_game
@@ -927,8 +927,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "episodes": RUNNER.num_episodes,
             "vocab_for_constraint_bytes": QWEN_VOCAB,
         },
-        "load_average_before": load_before,
-        "load_average_after": load_average(),
+        "load_average": load_span(load_before),
         "machine": machine(),
         "results": results,
         "targets": targets(results, args.meta_episodes),

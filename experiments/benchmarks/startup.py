@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.benchmarks.common import load_average, machine, write_report
+from experiments.benchmarks.common import load_average, load_span, machine, write_report
 from mage_jax import compilation_cache
 from mage_jax.evaluation.report import SUMMARY_FILE
 from mage_jax.logging import read_jsonl
@@ -68,7 +68,7 @@ def run_main_job(args: list[str], run_dir: Path, cache_dir: Path) -> dict[str, A
         "compile_s": None if compiled.get("seconds") is None else round(compiled["seconds"], 2),
         "cache_hits": compiled.get("cache_hits"),
         "training_programs": int(sum(r.get("compile/programs", 0) for r in train)),
-        "load_avg_1m": {"before": load_before, "after": load_average()},
+        "load_average": load_span(load_before),
     }
 
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "warm_wall_s": target(warm["wall_s"], TARGETS["warm_wall_s"]),
             "programs": target(cold["programs"], TARGETS["programs"]),
         },
-        "load_avg_1m": {"before": load_before, "after": load_average()},
+        "load_average": load_span(load_before),
         "cpus": os.cpu_count(),
         "machine": machine(),
     }

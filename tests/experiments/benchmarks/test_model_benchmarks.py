@@ -26,7 +26,7 @@ def test_train_step_benchmark_reports_both_sides(tmp_path):
         assert report[side]["tokens_per_s"]["median"] > 0 and report[side]["fraction_of_peak"] > 0
     assert report["ours"]["compile_s"] >= 0 and report["matmul_peak"]["jax_gflops"] > 0
     assert report["speedup_ours_over_torch"]["min"] <= report["speedup_ours_over_torch"]["max"]
-    assert set(report["load_avg_1m"]) == {"before", "after"} and report["threads"]["threads"] == 0
+    assert set(report["load_average"]) == {"before", "after"} and report["threads"]["threads"] == 0
 
 
 def test_generation_benchmark_reports_prefill_and_decode(tmp_path):
@@ -40,7 +40,7 @@ def test_generation_benchmark_reports_prefill_and_decode(tmp_path):
         assert report[side]["end_to_end_tokens_per_s"]["median"] > 0
     assert report["hf"]["new_tokens"] == 2 * 3
     assert set(report["ratio_ours_over_hf"]) == {"end_to_end", "prefill", "decode"}
-    assert report["order"] == "interleaved" and set(report["load_avg_1m"]) == {"before", "after"}
+    assert report["order"] == "interleaved" and set(report["load_average"]) == {"before", "after"}
 
 
 def test_pinned_threads_binds_both_runtimes_and_restores():

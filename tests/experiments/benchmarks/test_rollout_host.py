@@ -27,7 +27,7 @@ def test_benchmark_writes_json_with_shares_rates_and_targets(tmp_path):
     report = main(["--envs", "kuhn_poker,sokoban", "--workers-envs", "sokoban", "--meta-episodes", "2",
                    "--speedup", "50", *costs, "--out", str(out)])
     assert json.loads(out.read_text()) == report
-    assert report["load_average_before"] >= 0 and report["load_average_after"] >= 0
+    assert report["load_average"]["before"] >= 0 and report["load_average"]["after"] >= 0
     kuhn, sokoban = report["results"]
     assert (kuhn["env"], kuhn["workers"]) == ("kuhn_poker", 0)
     assert (sokoban["env"], sokoban["workers"]) == ("sokoban", 2)
