@@ -6,12 +6,12 @@ import time
 
 import numpy as np
 
-from experiments.benchmarks.rollout_host import (
+from experiments.benchmarks.rollout_host import main
+from experiments.benchmarks.stand_in_device import (
     QWEN_VOCAB,
     DeviceCosts,
     SleepKernels,
     StandInSampler,
-    main,
     measure_cpu_costs,
 )
 from mage_jax.generate.bank import ConstraintBank
