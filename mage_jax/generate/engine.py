@@ -155,8 +155,10 @@ class RolloutEngine:
     ``window_levels``: the cache prefixes a decode chunk may attend over, the whole cache, its half, its
     quarter, ... (that many, one decode program each per slot bucket); a chunk takes the smallest that
     holds its furthest slot's next writes (a slot's decode writes start at its insert's prompt bucket,
-    so slots with short prompts early in a rollout read a short prefix). 1: always the whole cache, and
-    no slot positions are read back before a dispatch;
+    so slots with short prompts early in a rollout read a short prefix). The host keeps an upper bound
+    of every slot's write position (its insert's bucket plus the steps of the chunks it was in), so
+    choosing a window reads nothing back from the device and waits for no insert. 1: always the whole
+    cache;
     ``overlap``: dispatch the next decode chunk before the caller's host work (``EngineSession.step``).
     """
 
@@ -205,7 +207,12 @@ class EngineSession:
         self.prefixes: dict[tuple[int, ...], Donor] = {}  # prompts held by some slot's cache
         self.slot_prompt: dict[int, tuple[int, ...]] = {}
         self.stats = EngineStats()
-        self._pending: tuple[jax.Array, int, int] | None = None  # a dispatched chunk: (steps, rows, window)
+        # A dispatched chunk: (steps, rows, window, its decoding slots).
+        self._pending: tuple[jax.Array, int, int, list[int]] | None = None
+        # Per slot, an upper bound of its cache write position, kept on the host: its insert's bucket plus
+        # the steps of every chunk since (a slot that finished early advanced less). Windows are chosen
+        # from it, so a dispatch never waits to read positions back.
+        self.write_bound = np.zeros(self.kernels.num_slots, np.int64)
         engine.last_stats = self.stats
 
     @property
@@ -272,19 +279,19 @@ class EngineSession:
             return
         decoding = self._compact(decoding)
         kernels = self.kernels
-        furthest = int(to_host(self.slots.write)[decoding].max()) if len(kernels.windows) > 1 else 0
         bucket = kernels.slot_bucket(max(s % kernels.local_slots for s in decoding))
-        window = kernels.window(furthest)
+        window = kernels.window(int(self.write_bound[decoding].max()))
         self.slots, steps = kernels.decode(self.state, self.slots, self.params, self.key, window, bucket,
                                            bank=self._bank())
-        self._pending = (steps, bucket * kernels.ways, window)
+        self._pending = (steps, bucket * kernels.ways, window, decoding)
 
     def _wait(self) -> np.ndarray:
         """Finish the dispatched chunk (its counters) and return every slot's done flag."""
         if self._pending is not None:
-            steps, rows, window = self._pending
+            steps, rows, window, decoding = self._pending
             self._pending = None
             steps = int(steps)
+            self.write_bound[decoding] += steps
             self.stats.decode_steps += steps
             self.stats.decode_row_steps += steps * rows
             self.stats.bucket_steps[rows] = self.stats.bucket_steps.get(rows, 0) + steps
@@ -312,6 +319,7 @@ class EngineSession:
             return decoding
         self.slots = self.kernels.move(self.slots, moves)
         for src, dst in moves:
+            self.write_bound[dst] = self.write_bound[src]
             self.running[dst] = self.running.pop(src)
             self.free.discard(dst)
             self.free.add(src)
@@ -391,8 +399,9 @@ class EngineSession:
         for slot, request, donor in zip(targets, take, donors):
             self.running[slot] = request
             self.slot_prompt[slot] = request.prompt_ids
-            base = donor.bucket if donor is not None else bucket
+            base = donor.bucket if donor is not None else bucket  # where its decode writes start
             self.prefixes[request.prompt_ids] = Donor(slot, base, len(request.prompt_ids))
+            self.write_bound[slot] = base
         self.stats.requests += len(take)
         self.stats.inserts += 1
         self.stats.prefill_rows += len(prompts)

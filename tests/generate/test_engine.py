@@ -205,35 +205,74 @@ def test_greedy_engine_gives_the_lockstep_samplers_tokens_and_logprobs(tiny_samp
     assert session.stats.decode_row_steps == sum(rows * n for rows, n in session.stats.bucket_steps.items())
 
 
-def test_decode_windows_read_only_the_cache_prefix_the_slots_need_and_give_the_same_tokens(tiny_sampler):
+def watch_dispatches(session, monkeypatch) -> tuple[list[bool], list[int]]:
+    """Checks every decode chunk ``session`` dispatches against the device: the host's bound of each
+    running slot's write position is at least the device's, and the chunk's window holds the next writes
+    of every slot still decoding. Returns, filled as the session runs, whether each device read
+    (``to_host``) happened while a chunk was being dispatched, and the window of each chunk."""
+    kernels = session.kernels
+    dispatching, reads, windows = [False], [], []
+    to_host, dispatch, decode = engine_module.to_host, session._dispatch, kernels.decode
+
+    def watched_dispatch(done):
+        dispatching[0] = True
+        try:
+            dispatch(done)
+        finally:
+            dispatching[0] = False
+
+    def checked_decode(state, slots, params, key, window, bucket, **kw):
+        write, done = np.asarray(slots.write), np.asarray(slots.done)  # the device's (a test may wait)
+        for s in session.running:
+            assert session.write_bound[s] >= write[s], (s, session.write_bound[s], write[s])
+            assert done[s] or (window or kernels.max_len) >= write[s] + kernels.chunk
+        windows.append(window)
+        return decode(state, slots, params, key, window, bucket, **kw)
+
+    monkeypatch.setattr(engine_module, "to_host", lambda x: reads.append(dispatching[0]) or to_host(x))
+    monkeypatch.setattr(session, "_dispatch", watched_dispatch)
+    monkeypatch.setattr(kernels, "decode", checked_decode)
+    return reads, windows
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_windows_read_only_the_cache_prefix_the_slots_need_and_give_the_same_tokens(
+        tiny_sampler, monkeypatch, overlap):
     """``window_levels=3``: a chunk attends over the smallest of the whole cache (16 + 12 positions), its
     half and its quarter that holds its furthest slot's next writes. Prompts of the 8-token bucket start
     decoding at position 8, so their first chunks read 14 positions; the same greedy tokens and
-    log-probs as the lockstep sampler."""
+    log-probs as the lockstep sampler, with and without overlap. The window comes from the host's bound
+    of each slot's write position: at every dispatch it is at least the device's, and choosing it reads
+    nothing back from the device (so a dispatch never waits for the inserts before it)."""
     sampler, state = tiny_sampler
     prompts, limits, automata = mixed_batch()
     prompts = [p[:8] for p in prompts]  # the 8-token bucket (the twins stay twins)
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     ref = sampler.generate(state, prompts, params, jax.random.key(0), constraints=automata,
                            max_new_tokens_per_row=np.asarray(limits))
-    engine = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=3, window_levels=3, overlap=False)
-    assert engine.kernels.windows == (7, 14, 28)
+    engine = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=3, window_levels=3, overlap=overlap)
+    kernels = engine.kernels
+    assert kernels.windows == (7, 14, 28)
     session = engine.session(state, params, jax.random.key(0))
+
+    reads, windows_used = watch_dispatches(session, monkeypatch)
     out = generate_all(session, requests_of(prompts, limits, automata))
     for i in range(len(prompts)):
         np.testing.assert_array_equal(out[i].tokens, ref.tokens[i])
         np.testing.assert_allclose(out[i].logprobs, ref.logprobs[i], atol=1e-5)
+    assert reads and not any(reads)  # the host read done flags and results, never while dispatching
     windows = session.stats.window_steps
     assert windows.get(14, 0) > 0 and windows.get(28, 0) > 0, windows  # short, then the long responses
-    assert sum(windows.values()) == session.stats.decode_steps
+    assert sum(windows.values()) == session.stats.decode_steps and len(windows_used) > 2
 
 
-def test_a_prompt_copied_after_its_slot_moved_comes_from_the_moved_slot(tiny_sampler, engines):
+def test_a_prompt_copied_after_its_slot_moved_comes_from_the_moved_slot(tiny_sampler, engines, monkeypatch):
     """The donor of a prompt follows its slot when the slot moves. 3 slots, chunk 2: C (prompt P, its
     response constrained) is moved from slot 2 to slot 0; slot 2 is reused by another prompt; then E
     arrives with prompt P and copies P's keys and values. Copied from the old slot index it would get the
     other prompt's, and its greedy tokens would leave the lockstep sampler's; so would C's after the move
-    if its position, cache row, automaton state or tag stayed behind."""
+    if its position, cache row, automaton state or tag stayed behind; the host's bound of its write
+    position moves with it too (``watch_dispatches``)."""
     sampler, state = tiny_sampler
     rng = np.random.default_rng(1)
     x, y, p, q, q2 = (tuple(rng.integers(4, VOCAB, size=n).tolist()) for n in (5, 9, 7, 6, 11))
@@ -245,6 +284,7 @@ def test_a_prompt_copied_after_its_slot_moved_comes_from_the_moved_slot(tiny_sam
     arrivals = {0: ["A", "B", "C"], 2: ["D", "D2", "E"]}
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     session = engines(3, 2).session(state, params, jax.random.key(0))
+    watch_dispatches(session, monkeypatch)
     out, held_by = {}, []  # held_by: the tag in each slot after every step
     for step in range(40):
         for tag in arrivals.get(step, []):
