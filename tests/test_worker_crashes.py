@@ -57,7 +57,7 @@ def test_a_test_that_crashes_its_worker_once_runs_again_and_the_run_passes(tmp_p
     assert out.returncode == 0, out.stdout[-3000:]
     assert passed(out) == {f"test_{f}.py::test_{t}" for f in "ac" for t in ("one", "two", "three")} | {
         "test_b.py::test_before", "test_b.py::test_segfaults_once", "test_b.py::test_after"}
-    assert "crashed while running 'test_b.py::test_segfaults_once'; run again on a fresh worker" in out.stdout
+    assert "crashed while running 'test_b.py::test_segfaults_once'; to be run again" in out.stdout
     assert "Segmentation fault" in out.stderr + out.stdout  # faulthandler's stack of the crash is kept
     assert " 9 passed, 1 rerun in " in out.stdout.splitlines()[-1]
 
@@ -89,6 +89,65 @@ def test_a_test_that_always_kills_its_worker_fails_after_one_rerun_and_everythin
     for test in ("test_b.py::test_segfaults", "test_d.py::test_hangs"):
         assert f"FAILED {test} - worker" in out.stdout
     assert "Timeout (0:00:03)!" in out.stderr + out.stdout  # the hang guard dumped the stuck stack
+
+
+def test_a_crash_while_a_replacement_worker_is_still_collecting_waits_for_it(tmp_path):
+    """gw0 dies; its replacement takes seconds to collect (a slow import); gw1 dies meanwhile. The
+    replacement gets its share of the work once it has collected, not before (xdist would index its
+    collection and stop the run with an internal error)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    out = run_suite(tmp_path, {
+        "test_a.py": f"""
+            import os, pathlib, signal, time
+
+            def test_segfaults_first():
+                time.sleep(0.2)
+                if not pathlib.Path({str(first)!r}).exists():
+                    pathlib.Path({str(first)!r}).touch()
+                    os.kill(os.getpid(), signal.SIGSEGV)
+            def test_after(): pass
+        """,
+        "test_b.py": f"""
+            import os, pathlib, signal, time
+
+            def test_segfaults_while_the_replacement_collects():
+                while not pathlib.Path({str(first)!r}).exists():
+                    time.sleep(0.01)
+                time.sleep(1.0)
+                if not pathlib.Path({str(second)!r}).exists():
+                    pathlib.Path({str(second)!r}).touch()
+                    os.kill(os.getpid(), signal.SIGSEGV)
+            def test_after(): pass
+        """,
+        "test_c.py": f"""
+            import pathlib, time
+
+            if pathlib.Path({str(first)!r}).exists():
+                time.sleep(4)  # a replacement worker collects slowly
+            def test_one(): pass
+        """,
+    })
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert len(passed(out)) == 5 and " 5 passed, 2 rerun in " in out.stdout.splitlines()[-1]
+
+
+def test_a_run_that_cannot_replace_a_dead_worker_fails_and_names_the_tests_it_never_finished(tmp_path):
+    """With no worker restarts left (here none at all) the crashed test's rerun and the rest of its file
+    never run: the run fails and lists them, although every test that ran passed."""
+    out = run_suite(tmp_path, {
+        "test_a.py": PASSING,
+        "test_b.py": """
+            import os, signal
+
+            def test_before(): pass
+            def test_segfaults(): os.kill(os.getpid(), signal.SIGSEGV)
+            def test_after(): pass
+        """,
+    }, "--max-worker-restart", "0")
+    assert out.returncode == 1 and "failed" not in out.stdout.splitlines()[-1]
+    tail = out.stdout[out.stdout.index("tests never finished after worker crashes"):].splitlines()[1:]
+    listed = set(tail[:next(i for i, line in enumerate(tail) if line.startswith("="))])
+    assert {"test_b.py::test_segfaults", "test_b.py::test_after"} <= listed and not listed & passed(out)
 
 
 def test_the_suite_guards_against_hangs_with_a_timeout_that_ends_the_worker():

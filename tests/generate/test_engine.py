@@ -205,34 +205,42 @@ def test_greedy_engine_gives_the_lockstep_samplers_tokens_and_logprobs(tiny_samp
     assert session.stats.decode_row_steps == sum(rows * n for rows, n in session.stats.bucket_steps.items())
 
 
-def watch_dispatches(session, monkeypatch) -> tuple[list[bool], list[int]]:
+def watch_dispatches(session, monkeypatch) -> list[int]:
     """Checks every decode chunk ``session`` dispatches against the device: the host's bound of each
-    running slot's write position is at least the device's, and the chunk's window holds the next writes
-    of every slot still decoding. Returns, filled as the session runs, whether each device read
-    (``to_host``) happened while a chunk was being dispatched, and the window of each chunk."""
-    kernels = session.kernels
-    dispatching, reads, windows = [False], [], []
+    running slot's write position is the device's for a slot still decoding (at least it for one that
+    finished in its prefill, unread yet), the chunk's window holds the next writes of every slot still
+    decoding, and choosing it reads nothing from the device (``to_host``, and on an accelerator a
+    transfer guard: a read would wait for the inserts just dispatched). Returns the window of each
+    chunk, filled as the session runs."""
+    kernels, windows, dispatching = session.kernels, [], [False]
     to_host, dispatch, decode = engine_module.to_host, session._dispatch, kernels.decode
 
-    def watched_dispatch(done):
+    def guarded_to_host(x):
+        assert not dispatching[0], "a dispatch read the device"
+        return to_host(x)
+
+    def guarded_dispatch(done):
         dispatching[0] = True
         try:
-            dispatch(done)
+            with jax.transfer_guard_device_to_host("disallow"):
+                dispatch(done)
         finally:
             dispatching[0] = False
 
     def checked_decode(state, slots, params, key, window, bucket, **kw):
-        write, done = np.asarray(slots.write), np.asarray(slots.done)  # the device's (a test may wait)
+        with jax.transfer_guard_device_to_host("allow"):  # the test's own reads may wait
+            write, done = np.asarray(slots.write), np.asarray(slots.done)
         for s in session.running:
-            assert session.write_bound[s] >= write[s], (s, session.write_bound[s], write[s])
+            bound = session.write_bound[s]
+            assert bound >= write[s] if done[s] else bound == write[s], (s, bound, write[s])
             assert done[s] or (window or kernels.max_len) >= write[s] + kernels.chunk
         windows.append(window)
         return decode(state, slots, params, key, window, bucket, **kw)
 
-    monkeypatch.setattr(engine_module, "to_host", lambda x: reads.append(dispatching[0]) or to_host(x))
-    monkeypatch.setattr(session, "_dispatch", watched_dispatch)
+    monkeypatch.setattr(engine_module, "to_host", guarded_to_host)
+    monkeypatch.setattr(session, "_dispatch", guarded_dispatch)
     monkeypatch.setattr(kernels, "decode", checked_decode)
-    return reads, windows
+    return windows
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -255,12 +263,11 @@ def test_decode_windows_read_only_the_cache_prefix_the_slots_need_and_give_the_s
     assert kernels.windows == (7, 14, 28)
     session = engine.session(state, params, jax.random.key(0))
 
-    reads, windows_used = watch_dispatches(session, monkeypatch)
+    windows_used = watch_dispatches(session, monkeypatch)
     out = generate_all(session, requests_of(prompts, limits, automata))
     for i in range(len(prompts)):
         np.testing.assert_array_equal(out[i].tokens, ref.tokens[i])
         np.testing.assert_allclose(out[i].logprobs, ref.logprobs[i], atol=1e-5)
-    assert reads and not any(reads)  # the host read done flags and results, never while dispatching
     windows = session.stats.window_steps
     assert windows.get(14, 0) > 0 and windows.get(28, 0) > 0, windows  # short, then the long responses
     assert sum(windows.values()) == session.stats.decode_steps and len(windows_used) > 2
