@@ -1,7 +1,8 @@
 """A worker that dies (a native crash, or the hang guard) costs the suite one rerun of the test it died
 in, never a stalled run: every other test still runs, a crash the rerun survives is a "rerun" and not
-a failure, and a test that kills its worker every time fails. Each case is a small pytest run on two
-workers, scheduled as the suite is (``tests/worker_crashes.py``, ``--dist loadfile``)."""
+a failure, a test that kills its worker every time fails, and a run that could not finish every test
+fails. Each case is a small pytest run on two workers, scheduled as the suite is
+(``tests/worker_crashes.py``, ``--dist loadfile``)."""
 
 from __future__ import annotations
 
