@@ -24,6 +24,14 @@ PASSING = """
     def test_three(): time.sleep(0.2)
 """
 
+SEGFAULTING = """
+    import os, signal
+
+    def test_before(): pass
+    def test_segfaults(): os.kill(os.getpid(), signal.SIGSEGV)
+    def test_after(): pass
+"""
+
 
 def run_suite(folder: Path, files: dict[str, str], *options: str) -> subprocess.CompletedProcess:
     for name, text in files.items():
@@ -67,13 +75,7 @@ def test_a_test_that_always_kills_its_worker_fails_after_one_rerun_and_everythin
     exit_on_timeout = INI["faulthandler_exit_on_timeout"]  # the suite's own setting; its timeout is 3 s here
     out = run_suite(tmp_path, {
         "test_a.py": PASSING,
-        "test_b.py": """
-            import os, signal
-
-            def test_before(): pass
-            def test_segfaults(): os.kill(os.getpid(), signal.SIGSEGV)
-            def test_after(): pass
-        """,
+        "test_b.py": SEGFAULTING,
         "test_c.py": PASSING,
         "test_d.py": """
             import time
@@ -137,13 +139,7 @@ def test_a_run_that_cannot_replace_a_dead_worker_fails_and_names_the_tests_it_ne
     never run: the run fails and lists them, although every test that ran passed."""
     out = run_suite(tmp_path, {
         "test_a.py": PASSING,
-        "test_b.py": """
-            import os, signal
-
-            def test_before(): pass
-            def test_segfaults(): os.kill(os.getpid(), signal.SIGSEGV)
-            def test_after(): pass
-        """,
+        "test_b.py": SEGFAULTING,
     }, "--max-worker-restart", "0")
     assert out.returncode == 1 and "failed" not in out.stdout.splitlines()[-1]
     tail = out.stdout[out.stdout.index("tests never finished after worker crashes"):].splitlines()[1:]
