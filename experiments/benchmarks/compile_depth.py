@@ -23,7 +23,7 @@ import dataclasses
 import time
 from typing import Any
 
-from experiments.benchmarks.common import load_average, load_span, machine, write_report
+from experiments.benchmarks.common import load_average, write_timed_report
 
 LAYOUTS = {"scanned": True, "unrolled": False}
 TARGET_RATIO = 2.0
@@ -96,14 +96,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "compile_depth",
         "command": "python -m experiments.benchmarks.compile_depth",
         "env": args.env, "preset": args.preset, "overrides": overrides, "depths": depths,
-        "device": str(jax.devices()[0].platform), "machine": machine(),
+        "device": str(jax.devices()[0].platform),
         "results": results,
         "deep_over_shallow": ratios,
         "target": {"scanned_deep_within_2x_of_shallow": target},
-        "load_average": load_span(load_before),
-        "total_s": round(time.perf_counter() - started, 2),
     }
-    return write_report(report, args.out)
+    return write_timed_report(report, args.out, load_before=load_before, started=started)
 
 
 if __name__ == "__main__":

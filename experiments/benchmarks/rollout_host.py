@@ -78,7 +78,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.benchmarks.common import load_average, load_span, machine, write_report
+from experiments.benchmarks.common import load_average, write_timed_report
 from experiments.benchmarks.stand_in_device import (
     FREE,
     QWEN_VOCAB,
@@ -553,13 +553,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "episodes": RUNNER.num_episodes,
             "vocab_for_constraint_bytes": QWEN_VOCAB,
         },
-        "load_average": load_span(load_before),
-        "machine": machine(),
         "results": results,
         "targets": targets(results, args.meta_episodes),
-        "total_s": round(time.perf_counter() - started, 2),
     }
-    return write_report(report, args.out)
+    return write_timed_report(report, args.out, load_before=load_before, started=started)
 
 
 if __name__ == "__main__":
