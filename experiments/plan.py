@@ -75,6 +75,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from experiments import hlo_cost, targets
+from experiments.targets import HARDWARE, Hardware
 from mage_jax import config as C
 
 GB = 1e9
@@ -83,41 +85,10 @@ USABLE_FRACTION = 0.9
 """Share of a device's memory a plan may use: the rest is the runtime's (CUDA context, fragmentation).
 On GPUs JAX preallocates 75% unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` is raised (docs/scaling.md)."""
 DEFAULT_LAYERS = (3, 6)
-CHILD_ENV = "MAGE_PLAN_FAKE_DEVICES"
+CHILD_ENV = "MAGE_PLAN_CHILD"
+"""Set in the process that compiles: ``cpu:N`` (N fake CPU devices), ``tpu`` or ``gpu`` (a target)."""
+COMPILERS = ("auto", "target", "cpu")
 
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """One accelerator kind: memory per device, devices of the named host / slice, bf16 dense peak."""
-
-    name: str
-    hbm: float
-    """Bytes of memory per device (GPU or TPU chip)."""
-    devices: int
-    """Devices JAX sees on the named host or slice."""
-    bf16_flops: float
-    """Dense bfloat16 (float16 on a T4) peak FLOP/s of one device."""
-
-
-# Sources: vendor data sheets / Cloud TPU system architecture pages.
-HARDWARE: dict[str, Hardware] = {h.name: h for h in (
-    # NVIDIA H100 SXM5: 80 GB HBM3, 989 TFLOP/s dense BF16; an HGX / DGX host has 8.
-    Hardware("h100-80gb", 80e9, 8, 989e12),
-    # NVIDIA A100 40 GB (Colab's A100): 312 TFLOP/s dense BF16; one device.
-    Hardware("a100-40gb", 40e9, 1, 312e12),
-    # NVIDIA L4: 24 GB GDDR6, 121 TFLOP/s dense BF16 (242 with sparsity); one device (Colab, g2 VMs).
-    Hardware("l4-24gb", 24e9, 1, 121e12),
-    # NVIDIA T4: 16 GB GDDR6, 65 TFLOP/s FP16 tensor cores (no bfloat16 units); one device (Colab).
-    Hardware("t4-16gb", 16e9, 1, 65e12),
-    # TPU v4: 32 GiB HBM per chip, 275 TFLOP/s bf16; v4-8 = 4 chips.
-    Hardware("tpu-v4", 32 * 2**30, 4, 275e12),
-    # TPU v5e: 16 GiB HBM per chip, 197 TFLOP/s bf16; v5litepod-8 = 8 chips.
-    Hardware("tpu-v5e", 16 * 2**30, 8, 197e12),
-    # TPU v5p: 95 GiB HBM per chip, 459 TFLOP/s bf16; v5p-8 = 4 chips.
-    Hardware("tpu-v5p", 95 * 2**30, 4, 459e12),
-    # TPU v6e (Trillium): 32 GiB HBM per chip, 918 TFLOP/s bf16; v6e-8 = 8 chips.
-    Hardware("tpu-v6e", 32 * 2**30, 8, 918e12),
-)}
 
 PROGRAMS = ("train_grads", "train_apply", "logprobs", "insert", "decode")
 """The programs of a run with the rollout engine (the default)."""
@@ -187,16 +158,17 @@ def base_model_config(cfg: C.ExperimentConfig, model_path: str | None = None) ->
     return None
 
 
-def make_setup(cfg: C.ExperimentConfig, devices: int, *, num_layers: int | None = None,
+def make_setup(cfg: C.ExperimentConfig, devices: int | Sequence[Any], *, num_layers: int | None = None,
                model_path: str | None = None, vocab_size: int = 0) -> Setup:
-    """``cfg``'s mesh over the first ``devices`` devices, its model at ``num_layers`` layers (all when
-    None) with abstract parameters, its train step, sampler and engine (``training.assemble``)."""
+    """``cfg``'s mesh over the first ``devices`` devices (or these devices: a target's topology), its
+    model at ``num_layers`` layers (all when None) with abstract parameters, its train step, sampler and
+    engine (``training.assemble``)."""
     import jax
 
     from mage_jax.models import sharding as shd
     from mage_jax.training import assemble
 
-    mesh = assemble.make_mesh(cfg, devices=jax.devices()[:devices])
+    mesh = assemble.make_mesh(cfg, devices=jax.devices()[:devices] if isinstance(devices, int) else devices)
     hf = base_model_config(cfg, model_path)
     model_config = assemble.model_config_of(cfg, hf_config=hf, vocab_size=vocab_size or 256)
     if num_layers is not None:
@@ -291,55 +263,102 @@ def device_bytes(tree: Any, sharding: Any = None) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class ProgramMemory:
-    """Per-device bytes of one compiled program (XLA's memory analysis) and its FLOPs."""
+class ProgramMeasure:
+    """Per device, one compiled program: XLA's memory analysis, and from its optimized HLO the FLOPs and
+    bytes accessed of one run (``hlo_cost``: loops counted by their trip counts, a decode chunk's loop
+    once, so a decode program's figures are those of one step) and the library / Pallas kernels it
+    calls."""
 
     argument: int
     output: int
     alias: int
     temp: int
     flops: float
+    bytes_accessed: float
+    kernels: dict[str, int]
 
     @property
     def peak(self) -> int:
         return self.argument + self.output - self.alias + self.temp
 
     @classmethod
-    def of(cls, compiled: Any) -> ProgramMemory:
+    def of(cls, compiled: Any) -> ProgramMeasure:
         mem = compiled.memory_analysis()
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        cost = hlo_cost.program_cost(compiled.as_text())
         return cls(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
-                   int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes),
-                   float((cost or {}).get("flops", 0.0)))
+                   int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), cost.flops,
+                   cost.bytes_accessed, cost.kernels)
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "peak": self.peak}
 
 
-def extrapolate(lo: tuple[int, Mapping[str, float]], hi: tuple[int, Mapping[str, float]],
-                depth: int) -> dict[str, float]:
-    """Linear in layers: v(depth) = v(hi) + (depth - hi) x (v(hi) - v(lo)) / (hi - lo), key by key."""
+def extrapolate(lo: tuple[int, Mapping[str, Any]], hi: tuple[int, Mapping[str, Any]],
+                depth: int) -> dict[str, Any]:
+    """Linear in layers: v(depth) = v(hi) + (depth - hi) x (v(hi) - v(lo)) / (hi - lo), key by key (numbers;
+    anything else, e.g. the kernels, is ``hi``'s)."""
     (a, va), (b, vb) = lo, hi
     if a == b:
         return dict(vb)
-    return {k: vb[k] + (depth - b) * (vb[k] - va[k]) / (b - a) for k in vb}
+    return {k: vb[k] + (depth - b) * (vb[k] - va[k]) / (b - a) if isinstance(vb[k], (int, float)) else vb[k]
+            for k in vb}
+
+
+# ----------------------------------------------------------------------------------------------
+# the model's own FLOPs and bytes (what the compilers' figures are held to)
+
+
+def matmul_params(model_config: Any) -> int:
+    """Parameters that take part in a product per token: every block's projections and the output head
+    (the embedding lookup is no product; a tied head counts once)."""
+    c = model_config
+    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return c.num_layers * (attn + mlp) + c.hidden_size * c.vocab_size
+
+
+def attention_flops(model_config: Any, context: float) -> float:
+    """Forward FLOPs of one token's attention (both products, every layer) over ``context`` keys."""
+    c = model_config
+    return 4.0 * c.num_layers * c.num_heads * c.head_dim * context
+
+
+def model_flops(name: str, model_config: Any, shape: Mapping[str, int], *, lora: bool) -> float:
+    """The model's FLOPs of one run of program ``name`` (all devices): 2 N per token forward, 4 N more
+    to train (2 N with LoRA: no weight gradients of the frozen base), and attention (causal rows: a
+    token attends to half the row on average; its backward pass costs twice its forward). Remat's
+    recomputation is not the model's: the compiler's figure carries it (2 N more per token under full
+    remat). Decode: one step of every slot over the whole cache."""
+    n = matmul_params(model_config)
+    if name in ("train_grads", "logprobs"):
+        tokens, half_row = shape["rows"] * shape["length"], shape["length"] / 2
+        if name == "logprobs":
+            return tokens * (2.0 * n + attention_flops(model_config, half_row))
+        return tokens * ((4.0 if lora else 6.0) * n + 3 * attention_flops(model_config, half_row))
+    if name == "insert":
+        prompt = shape["prompt"]
+        return shape["rows"] * prompt * (2.0 * n + attention_flops(model_config, prompt / 2))
+    if name == "decode":
+        return shape["rows"] * (2.0 * n + attention_flops(model_config, shape["length"]))
+    return 0.0
 
 
 # ----------------------------------------------------------------------------------------------
 # the plan
 
 
-_COMPILED: dict[Any, dict[str, float]] = {}
+_COMPILED: dict[Any, dict[str, Any]] = {}
 """Measured programs by what determines them (several presets share programs: one compile each)."""
 
 
-def _measure(name: str, setup: Setup, depth: int, key: tuple, compile_fn: Any, log: Any) -> dict[str, float]:
-    full_key = (name, depth, setup.mesh.devices.shape, repr(setup.model_config), setup.step.config, key)
+def _measure(name: str, setup: Setup, depth: int, key: tuple, compile_fn: Any, log: Any) -> dict[str, Any]:
+    device = setup.mesh.devices.flat[0]
+    full_key = (name, depth, device.platform, device.device_kind, setup.mesh.devices.shape,
+                repr(setup.model_config), setup.step.config, key)
     if full_key not in _COMPILED:
         started = time.perf_counter()
-        log(f"compiling {name} on {setup.mesh.size} devices at {depth} layers {key} ...")
-        _COMPILED[full_key] = ProgramMemory.of(compile_fn()).as_dict()
+        log(f"compiling {name} on {setup.mesh.size} {device.device_kind} devices at {depth} layers {key} ...")
+        _COMPILED[full_key] = ProgramMeasure.of(compile_fn()).as_dict()
         seconds = time.perf_counter() - started
         log(f"  {name}: {_COMPILED[full_key]['peak'] / GB:,.2f} GB per device ({seconds:.0f} s)")
     return _COMPILED[full_key]
@@ -355,13 +374,34 @@ def compiled_depths(model_config: Any, layers: Sequence[int] | None = None) -> l
     return sorted({min(n, depth) for n in layers})
 
 
+def _tracing_for(hardware: Hardware | None) -> Any:
+    """What the model must be told while tracing for ``hardware``: a GPU target's compute capability
+    (a compile-only GPU has none to ask; the attention implementation depends on it)."""
+    import contextlib
+
+    from mage_jax.models import attention
+
+    if hardware is None or hardware.platform != "gpu":
+        return contextlib.nullcontext()
+    return attention.gpu_target(targets.gpu_compute_capability(hardware.target))
+
+
 def plan_devices(cfg: C.ExperimentConfig, devices: int, *, layers: Sequence[int] | None = None,
-                 model_path: str | None = None, log: Any = None) -> dict[str, Any]:
-    """The plan of ``cfg`` on ``devices`` devices: resident state, KV cache and the run's programs
-    (``programs_of``), compiled at ``layers`` and extrapolated (default: the full depth when the model
-    scans its blocks, else ``DEFAULT_LAYERS``)."""
+                 model_path: str | None = None, log: Any = None,
+                 hardware: Hardware | None = None) -> dict[str, Any]:
+    """The plan of ``cfg`` on ``devices`` fake CPU devices, or (``hardware`` given) on ``hardware``'s own
+    topology by its own compiler: resident state, KV cache and the run's programs (``programs_of``),
+    compiled at ``layers`` and extrapolated (default: the full depth when the model scans its blocks,
+    else ``DEFAULT_LAYERS``)."""
     log = log or (lambda message: None)
-    full = make_setup(cfg, devices, model_path=model_path)
+    on: int | list[Any] = devices if hardware is None else targets.topology_devices(hardware)
+    with _tracing_for(hardware):
+        return _plan_devices(cfg, on, layers=layers, model_path=model_path, log=log, hardware=hardware)
+
+
+def _plan_devices(cfg: C.ExperimentConfig, on: int | list[Any], *, layers: Sequence[int] | None,
+                  model_path: str | None, log: Any, hardware: Hardware | None) -> dict[str, Any]:
+    full = make_setup(cfg, on, model_path=model_path)
     depth = full.model_config.num_layers
     depths = compiled_depths(full.model_config, layers)
     lo, hi = depths[0], depths[-1]
@@ -384,10 +424,12 @@ def plan_devices(cfg: C.ExperimentConfig, devices: int, *, layers: Sequence[int]
         if name in ROLLOUT_PROGRAMS:
             shapes[name] = {"rows": r_rows, "length": prompt + new_tokens, "prompt": prompt,
                             "new_tokens": new_tokens}
-    measured: dict[str, dict[int, dict[str, float]]] = {p: {} for p in names}
+    if "insert" in names:  # an insert prefills its one shape: insert_rows targets per device block
+        shapes["insert"]["rows"] = full.engine.kernels.insert_rows * full.engine.kernels.ways
+    measured: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in names}
     state_args: dict[str, dict[int, float]] = {p: {} for p in names}
     for n in depths:
-        setup = make_setup(cfg, devices, num_layers=n, model_path=model_path)
+        setup = make_setup(cfg, on, num_layers=n, model_path=model_path)
         p_bytes = device_bytes(setup.params)
         compilers = {
             "train_grads": functools.partial(compile_train_grads, setup, rows, length),
@@ -401,23 +443,46 @@ def plan_devices(cfg: C.ExperimentConfig, devices: int, *, layers: Sequence[int]
                 key += (("chunk", cfg.rollout.engine_chunk), ("sampling", repr(rollout_sampling(setup))))
             measured[name][n] = _measure(name, setup, n, key, compilers[name], log)
             state_args[name][n] = p_bytes + (device_bytes(setup.opt_state) if name == "train_apply" else 0)
+    size = full.mesh.size
+    mc = full.model_config
     programs = {}
     for name in names:
         values = {n: {**measured[name][n], "state_arguments": state_args[name][n]} for n in depths}
         v = extrapolate((lo, values[lo]), (hi, values[hi]), depth)
-        v = {k: int(round(x)) if k != "flops" else x for k, x in v.items()}
+        v = {k: int(round(x)) if k not in ("flops", "bytes_accessed") and isinstance(x, (int, float)) else x
+             for k, x in v.items()}
         v["extra"] = v["peak"] - v["state_arguments"]
         v["need"] = state["total"] + v["extra"]
-        programs[name] = {"rows": 0, "length": 0, "prompt": 0, "new_tokens": 0, **shapes[name], **v}
+        shape = {"rows": 0, "length": 0, "prompt": 0, "new_tokens": 0, **shapes[name]}
+        v["model_flops"] = model_flops(name, mc, shape, lora=bool(cfg.model.lora_rank)) / size
+        programs[name] = {**shape, **v}
+    kv_cache = kv_cache_bytes(full)
+    if "decode" in programs:  # the least a decode step reads: the parameters it computes with, the cache
+        programs["decode"]["ideal_bytes"] = compute_param_bytes(full) + kv_cache
     largest = max(names, key=lambda p: programs[p]["need"])
     return {
-        "devices": devices, "mesh": dict(full.mesh.shape), "state": state, "kv_cache": kv_cache_bytes(full),
+        "devices": size, "mesh": dict(full.mesh.shape), "state": state, "kv_cache": kv_cache,
+        "compiler": targets.compiler_info(hardware),
         "programs": programs, "peak": programs[largest]["need"], "largest": largest,
         "model": {**dataclasses.asdict(_model_name(cfg, model_path)), "params": _param_count(full.params),
                   "param_dtype": full.model_config.param_dtype, "dtype": full.model_config.dtype,
-                  "remat": full.model_config.remat, "attention": full.model_config.attention},
+                  "remat": full.model_config.remat, "attention": full.model_config.attention,
+                  "matmul_params": matmul_params(mc)},
         "layers_compiled": depths, "full_depth": depth,
     }
+
+
+def compute_param_bytes(setup: Setup) -> int:
+    """Bytes of parameters one device computes with: all of them (an fsdp shard is gathered before use)
+    except what ``tensor`` splits."""
+    import jax
+
+    tensor = setup.mesh.shape["tensor"]
+    total = 0
+    for leaf in jax.tree.leaves(setup.params):
+        split = tensor if "tensor" in jax.tree.leaves(tuple(leaf.sharding.spec)) else 1
+        total += math.prod(leaf.shape) * leaf.dtype.itemsize // split
+    return int(total)
 
 
 def _model_name(cfg: C.ExperimentConfig, model_path: str | None) -> Any:
@@ -440,8 +505,76 @@ def _param_count(params: Any) -> int:
     return int(sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params)))
 
 
+
+
+GOALS = {"decode_bytes_ratio": 1.3, "train_flops_ratio": 1.45, "train_mfu": 0.45}
+"""Efficiency goals read from a target compiler (issue 37): a decode step reads at most 1.3x the ideal
+bytes (the parameters it computes with and the KV cache, once); the gradient program computes at most
+1.45x the model's FLOPs (full remat alone adds a third); the roofline bound of the training programs'
+MFU is at least 45 %. Reported met or not, never asserted."""
+
+
+def roofline_seconds(program: Mapping[str, Any], hardware: Hardware) -> float:
+    """max(FLOPs / peak, bytes accessed / memory bandwidth): the least time one run can take."""
+    return max(program["flops"] / hardware.bf16_flops, program["bytes_accessed"] / hardware.bandwidth)
+
+
+def iteration_counts(cfg: C.ExperimentConfig, plan: Mapping[str, Any]) -> dict[str, float]:
+    """How many times each program runs in one training iteration at the plan's shapes, an upper bound:
+    every LLM call (``num_tasks x group_size`` meta-episodes of ``num_episodes`` episodes of ``max_turns``
+    turns, and a reflection between episodes) at its longest prompt and response and trained on; a decode
+    program's figures are one step, a lockstep program's its prefill and one step. Evaluations not
+    counted."""
+    r, o = cfg.rollout, cfg.optim
+    meta = r.num_tasks * r.group_size
+    calls = meta * r.num_episodes * (r.max_turns or 1) + (meta * (r.num_episodes - 1) if r.reflect else 0)
+    programs = plan["programs"]
+    mini_batches = math.ceil(calls / o.mini_batch_rows)
+    counts = {"train_grads": mini_batches * o.epochs, "train_apply": mini_batches * o.epochs,
+              "logprobs": mini_batches * (1 + (o.kl_coef > 0))}
+    if "decode" in programs:
+        slots = programs["decode"]["rows"]
+        counts["decode"] = math.ceil(calls / slots) * programs["decode"]["new_tokens"]
+        counts["insert"] = math.ceil(calls / programs["insert"]["rows"])
+    if "lockstep" in programs:
+        lockstep = programs["lockstep"]
+        counts["lockstep"] = math.ceil(calls / lockstep["rows"]) * lockstep["new_tokens"]
+    return counts
+
+
+def efficiency(plan: Mapping[str, Any], hardware: Hardware, cfg: C.ExperimentConfig) -> dict[str, Any]:
+    """Roofline seconds per program, the predicted seconds of an iteration, the MFU bounds, and the
+    goals of ``GOALS`` met or not (None where a program is missing)."""
+    programs = plan["programs"]
+    seconds = {p: roofline_seconds(q, hardware) for p, q in programs.items()}
+    bound = {p: "compute" if q["flops"] / hardware.bf16_flops >= q["bytes_accessed"] / hardware.bandwidth
+             else "memory" for p, q in programs.items()}
+    counts = iteration_counts(cfg, plan)
+    iteration = sum(counts[p] * seconds[p] for p in programs)
+    train_s = seconds["train_grads"] + seconds["train_apply"]
+    train_mfu = programs["train_grads"]["model_flops"] / (train_s * hardware.bf16_flops) if train_s else None
+    model = sum(counts[p] * programs[p]["model_flops"] for p in programs)
+    ratios: dict[str, float | None] = {
+        "train_flops_ratio": (programs["train_grads"]["flops"] / programs["train_grads"]["model_flops"]
+                              if programs["train_grads"]["model_flops"] else None),
+        "train_mfu": train_mfu,
+        "decode_bytes_ratio": (programs["decode"]["bytes_accessed"] / programs["decode"]["ideal_bytes"]
+                               if "decode" in programs else None),
+    }
+    goals = {}
+    for key, goal in GOALS.items():
+        value = ratios[key]
+        met = None if value is None else (value >= goal if key == "train_mfu" else value <= goal)
+        goals[key] = {"value": value, "goal": goal, "met": met}
+    return {"roofline_seconds": seconds, "bound": bound, "iteration_counts": counts,
+            "iteration_seconds": iteration, "train_mfu_bound": train_mfu,
+            "iteration_mfu_bound": model / (iteration * hardware.bf16_flops) if iteration else None,
+            "goals": goals}
+
+
 def verdict(plan: Mapping[str, Any], hardware: Hardware, cfg: C.ExperimentConfig) -> dict[str, Any]:
-    """Fits / does not fit ``hardware`` (its memory per device), with what to change when it does not."""
+    """Fits / does not fit ``hardware`` (its memory per device), with what to change when it does not, and
+    the predictions of ``efficiency`` (from the plan's compiler: the target's own, or XLA:CPU's)."""
     usable = USABLE_FRACTION * hardware.hbm
     peak = plan["peak"]
     fits = peak <= usable
@@ -474,50 +607,98 @@ def verdict(plan: Mapping[str, Any], hardware: Hardware, cfg: C.ExperimentConfig
             advice.append("shorten rows: rollout.max_prompt_tokens / rollout.max_response_tokens")
         advice.append(f"more devices (over by {over / GB:.1f} GB per device)")
     seconds = {p: q["flops"] / hardware.bf16_flops for p, q in programs.items()}
-    return {"hardware": hardware.name, "devices": plan["devices"], "hbm": hardware.hbm, "usable": usable,
-            "peak": peak, "fits": fits, "headroom": usable - peak, "seconds_at_peak": seconds,
-            "advice": advice}
+    return {"hardware": hardware.name, "devices": plan["devices"], "compiler": plan["compiler"]["platform"],
+            "hbm": hardware.hbm, "usable": usable, "peak": peak, "fits": fits, "headroom": usable - peak,
+            "seconds_at_peak": seconds, "advice": advice, **efficiency(plan, hardware, cfg)}
 
 
-def make_plan(cfg: C.ExperimentConfig, hardware: Sequence[Hardware], *, devices: int | None = None,
-              layers: Sequence[int] | None = None, model_path: str | None = None,
+def plan_for(plans: Sequence[Mapping[str, Any]], hardware: str) -> Mapping[str, Any]:
+    """The plan hardware ``hardware``'s verdict reads: its own (a target's), or the CPU plan of its
+    device count."""
+    return next(p for p in plans if hardware in p["hardware"])
+
+
+def make_plan(cfg: C.ExperimentConfig, hardware: Sequence[Hardware], *, compiler: str = "cpu",
+              devices: int | None = None, layers: Sequence[int] | None = None, model_path: str | None = None,
               log: Any = None) -> dict[str, Any]:
-    """Plans of ``cfg`` for every device count the ``hardware`` needs (``devices`` overrides them all)
-    and a verdict per hardware. Runs in a process with enough (fake) devices."""
-    counts = sorted({devices or h.devices for h in hardware})
-    plans = {n: plan_devices(cfg, n, layers=layers, model_path=model_path, log=log) for n in counts}
-    first = plans[counts[0]]
+    """Plans of ``cfg`` and a verdict per hardware. ``compiler`` ``cpu``: one plan per device count the
+    ``hardware`` needs (``devices`` overrides them all), in a process with enough fake CPU devices;
+    ``target``: one plan per hardware on its own topology by its own compiler, in a process of
+    ``targets.compile_env``."""
+    plans: list[dict[str, Any]] = []
+    if compiler == "cpu":
+        counts = sorted({devices or h.devices for h in hardware})
+        for n in counts:
+            plan = plan_devices(cfg, n, layers=layers, model_path=model_path, log=log)
+            plans.append({**plan, "hardware": [h.name for h in hardware if (devices or h.devices) == n]})
+    else:
+        for h in hardware:
+            if devices is not None:
+                h = dataclasses.replace(h, devices=devices)
+            plan = plan_devices(cfg, h.devices, layers=layers, model_path=model_path, log=log, hardware=h)
+            plans.append({**plan, "hardware": [h.name]})
+    first = plans[0]
     return {
         "env": cfg.env.name, "layers_compiled": first["layers_compiled"], "full_depth": first["full_depth"],
-        "model": first["model"], "usable_fraction": USABLE_FRACTION,
+        "model": first["model"], "usable_fraction": USABLE_FRACTION, "goals": GOALS,
         "plans": [{k: v for k, v in p.items() if k not in ("model", "layers_compiled", "full_depth")}
-                  for p in plans.values()],
-        "verdicts": [verdict(plans[devices or h.devices], h, cfg) for h in hardware],
+                  for p in plans],
+        "verdicts": [verdict(plan_for(plans, h.name), h, cfg) for h in hardware],
     }
 
 
+def merge_plans(parts: Sequence[Mapping[str, Any]], hardware: Sequence[Hardware]) -> dict[str, Any]:
+    """One plan from the plans of several compilers (the processes of ``main``), verdicts in the order of
+    ``hardware``."""
+    first = parts[0]
+    verdicts = {v["hardware"]: v for part in parts for v in part["verdicts"]}
+    return {**first, "plans": [p for part in parts for p in part["plans"]],
+            "verdicts": [verdicts[h.name] for h in hardware]}
+
+
 def plan_presets(pairs: Sequence[tuple[str, str]], *, layers: Sequence[int] | None = None,
-                 log: Any = None) -> list[dict[str, Any]]:
-    """The plan of every (environment, preset) against the hardware its definition names; programs
-    shared by several presets are compiled once. Runs in a process with enough (fake) devices."""
+                 compiler: str = "cpu", log: Any = None) -> list[dict[str, Any]]:
+    """The plan of every (environment, preset) against the hardware its definition names (``compiler``
+    ``target``: those of this process's platform, ``targets.compile_env``); programs shared by several
+    presets are compiled once. Runs in a process with enough (fake) devices."""
     out = []
     for env, preset in pairs:
         hardware = [HARDWARE[n] for n in named_hardware(env, preset)] or list(HARDWARE.values())
-        plan = make_plan(preset_config(env, preset), hardware, layers=layers, log=log)
+        plan = make_plan(preset_config(env, preset), hardware, compiler=compiler, layers=layers, log=log)
         out.append({**plan, "preset": preset})
     return out
 
 
+def _kernels(program: Mapping[str, Any]) -> str:
+    """The attention and matmul kernels of a program, short (library / Pallas calls; '-' for none)."""
+    names = sorted({k.split(":", 1)[-1].replace("__cudnn$", "cudnn ").replace("__cublas$", "cublas ")
+                    for k in program.get("kernels", {})
+                    if k.startswith(("__cudnn", "__cublas", "tpu_custom_call"))})
+    return ", ".join(names) or "-"
+
+
+def _goal(v: Mapping[str, Any], key: str, spec: str) -> str:
+    g = v["goals"][key]
+    if g["value"] is None:
+        return "-"
+    return f"{g['value']:{spec}} {'met' if g['met'] else 'not met'}"
+
+
 def summary_table(plans: Sequence[Mapping[str, Any]]) -> str:
-    """Markdown: preset x hardware -> peak bytes per device and verdict."""
-    lines = ["| env | preset | hardware | devices | peak / device | usable | largest | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
+    """Markdown: preset x hardware -> compiler, peak bytes per device and verdict, predicted seconds per
+    iteration, MFU bound, and the efficiency goals."""
+    lines = ["| env | preset | hardware | devices | compiler | peak / device | usable | largest | verdict | "
+             "s / iteration (predicted) | train MFU bound | train FLOPs / model | decode bytes / ideal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for plan in plans:
         for v in plan["verdicts"]:
-            largest = next(p["largest"] for p in plan["plans"] if p["devices"] == v["devices"])
+            largest = plan_for(plan["plans"], v["hardware"])["largest"]
             lines.append(f"| {plan['env']} | {plan['preset']} | {v['hardware']} | {v['devices']} | "
-                         f"{v['peak'] / GB:,.1f} GB | {v['usable'] / GB:,.1f} GB | {largest} | "
-                         f"{'fits' if v['fits'] else 'does not fit'} |")
+                         f"{v['compiler']} | {v['peak'] / GB:,.1f} GB | {v['usable'] / GB:,.1f} GB | "
+                         f"{largest} | "
+                         f"{'fits' if v['fits'] else 'does not fit'} | {v['iteration_seconds']:,.0f} | "
+                         f"{_goal(v, 'train_mfu', '.2f')} | {_goal(v, 'train_flops_ratio', '.2f')} | "
+                         f"{_goal(v, 'decode_bytes_ratio', '.2f')} |")
     return "\n".join(lines)
 
 
@@ -573,12 +754,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--env", required=True, help="environment experiment, e.g. kuhn_poker")
     p.add_argument("--preset", required=True, help="tiny, small or paper")
     p.add_argument("--devices", type=int, default=None,
-                   help="plan every hardware on this many devices (default: each hardware's own count)")
+                   help="plan every hardware on this many devices (default: each hardware's own count; a TPU "
+                        "target takes --topology instead)")
     p.add_argument("--mesh", default="",
                    help="mesh axes, e.g. data=1,fsdp=8,tensor=1 (default: the preset's)")
     p.add_argument("--hardware", action="append", default=None,
                    help=f"one of {', '.join(HARDWARE)} (repeatable; default: the hardware the preset names, "
                         "else every kind)")
+    p.add_argument("--topology", action="append", default=[], metavar="NAME",
+                   help="a TPU slice by its topology, e.g. v5p:4x4x4 (64 chips, 16 hosts); repeatable")
+    p.add_argument("--compiler", choices=COMPILERS, default="auto",
+                   help="target: each hardware's own compiler on its own topology (TPU: jax[tpu], GPU: "
+                        "jax[cuda12]); cpu: XLA:CPU on fake devices (an upper bound); auto (default): the "
+                        "target's compiler where it is installed, else cpu")
     p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                    help="depths compiled and extrapolated from (default: the full depth for a model that "
                         "scans its blocks, else 3 6)")
@@ -590,17 +778,27 @@ def parser() -> argparse.ArgumentParser:
 
 @dataclasses.dataclass(frozen=True)
 class _Request:
+    argv: tuple[str, ...]
     cfg: C.ExperimentConfig
     preset: str
     hardware: tuple[Hardware, ...]
+    platforms: tuple[str, ...]
+    """Per hardware: the compiler's platform (``cpu``, ``tpu`` or ``gpu``)."""
     devices: int | None
     layers: tuple[int, int] | None
     model_path: str | None
     json: bool
+    compiler: str
 
-    @property
-    def fake_devices(self) -> int:
-        return self.devices or max(h.devices for h in self.hardware)
+    def groups(self) -> dict[str, tuple[Hardware, ...]]:
+        """The hardware each compiler's process plans, by platform."""
+        out: dict[str, tuple[Hardware, ...]] = {}
+        for h, platform in zip(self.hardware, self.platforms):
+            out[platform] = (*out.get(platform, ()), h)
+        return out
+
+    def fake_devices(self, hardware: Sequence[Hardware]) -> int:
+        return self.devices or max(h.devices for h in hardware)
 
 
 def _request(argv: Sequence[str] | None) -> _Request:
@@ -609,7 +807,8 @@ def _request(argv: Sequence[str] | None) -> _Request:
     overrides: dict[str, Any] = parse_mesh(args.mesh)
     overrides.update(C.parse_assignment(item) for item in args.set)
     cfg = preset_config(args.env, args.preset, overrides)
-    names = args.hardware or list(named_hardware(args.env, args.preset)) or list(HARDWARE)
+    names = args.hardware or ([] if args.topology else list(named_hardware(args.env, args.preset))
+                              or list(HARDWARE))
     unknown = [n for n in names if n not in HARDWARE]
     if unknown:
         raise C.ConfigError(f"unknown hardware {unknown[0]!r}; known: {', '.join(HARDWARE)}")
@@ -617,7 +816,15 @@ def _request(argv: Sequence[str] | None) -> _Request:
         raise C.ConfigError(f"--devices must be >= 1 (got {args.devices})")
     if args.layers is not None and (min(args.layers) < 1 or args.layers[0] >= args.layers[1]):
         raise C.ConfigError(f"--layers takes two depths LO < HI, both >= 1 (got {args.layers})")
-    hardware = tuple(HARDWARE[n] for n in dict.fromkeys(names))
+    try:
+        slices = [targets.topology_hardware(t) for t in args.topology]
+    except ValueError as err:
+        raise C.ConfigError(str(err)) from None
+    hardware = tuple({h.name: h for h in [*(HARDWARE[n] for n in names), *slices]}.values())
+    platforms = tuple(_platform(h, args.compiler) for h in hardware)
+    if args.devices is not None and any(p == "tpu" for p in platforms):
+        raise C.ConfigError("--devices cannot resize a TPU slice: name it with --topology (e.g. v5p:2x2x2 "
+                            "for 8 chips), or plan on fake CPU devices with --compiler cpu")
     for count in {args.devices or h.devices for h in hardware}:
         m = cfg.mesh
         try:
@@ -626,42 +833,80 @@ def _request(argv: Sequence[str] | None) -> _Request:
             MeshConfig(m.data, m.fsdp, m.tensor).resolve(count)
         except ValueError as err:
             raise C.ConfigError(f"mesh: {err}") from None
-    return _Request(cfg, args.preset, hardware, args.devices,
-                    None if args.layers is None else tuple(args.layers), args.model_path, args.json)
+    return _Request(tuple(argv if argv is not None else sys.argv[1:]), cfg, args.preset, hardware, platforms,
+                    args.devices, None if args.layers is None else tuple(args.layers), args.model_path,
+                    args.json, args.compiler)
+
+
+def _platform(hardware: Hardware, compiler: str) -> str:
+    """The platform whose compiler plans ``hardware`` under ``--compiler``; a missing target compiler is
+    a ConfigError for ``target`` and XLA:CPU for ``auto``."""
+    if compiler == "cpu":
+        return "cpu"
+    if targets.compiler_installed(hardware.platform):
+        return hardware.platform
+    if compiler == "target":
+        package, install = targets.COMPILER_PACKAGES[hardware.platform]
+        raise C.ConfigError(f"{hardware.name} needs the {hardware.platform.upper()} compiler, which this "
+                            f"Python has not got ({package}): {install}, or --compiler cpu")
+    return "cpu"
 
 
 def table(plan: Mapping[str, Any], preset: str) -> str:
-    """Markdown: one line per hardware (peak per device and verdict), then the programs per device count."""
+    """Markdown: one line per hardware (compiler, peak per device, verdict, predictions), then the
+    programs of each plan."""
     model = plan["model"]
     lines = [f"{plan['env']} / {preset}: {model['name']} ({model['family']}, {model['params'] / 1e9:.2f} B "
              "parameters, "
              f"remat {model['remat']}), depth {plan['full_depth']} extrapolated from "
              f"{plan['layers_compiled']}",
-             "", "| hardware | devices | peak / device | usable | verdict |", "|---|---|---|---|---|"]
+             "", "| hardware | devices | compiler | peak / device | usable | verdict | "
+             "s / iteration (predicted) | train MFU bound | train FLOPs / model | decode bytes / ideal |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for v in plan["verdicts"]:
-        lines.append(f"| {v['hardware']} | {v['devices']} | {v['peak'] / GB:,.1f} GB | "
-                     f"{v['usable'] / GB:,.1f} GB | {'fits' if v['fits'] else 'does not fit'} |")
+        lines.append(f"| {v['hardware']} | {v['devices']} | {v['compiler']} | {v['peak'] / GB:,.1f} GB | "
+                     f"{v['usable'] / GB:,.1f} GB | {'fits' if v['fits'] else 'does not fit'} | "
+                     f"{v['iteration_seconds']:,.0f} | {_goal(v, 'train_mfu', '.2f')} | "
+                     f"{_goal(v, 'train_flops_ratio', '.2f')} | {_goal(v, 'decode_bytes_ratio', '.2f')} |")
     for v in plan["verdicts"]:
         for a in v["advice"]:
             lines.append(f"  {v['hardware']}: {a}")
+    lines.append("Predictions are rooflines (max of FLOPs / peak and bytes / bandwidth), not measurements; "
+                 "a plan compiled on XLA:CPU is an upper bound of the target's bytes.")
     for p in plan["plans"]:
-        s = p["state"]
-        lines += ["", f"{p['devices']} devices, mesh {p['mesh']}: resident state {s['total'] / GB:,.2f} GB "
+        s, c = p["state"], p["compiler"]
+        lines += ["", f"{', '.join(p['hardware'])}: {p['devices']} devices, mesh {p['mesh']}, compiled by "
+                  f"{c['platform']} ({c['target']}, {c['version']}): resident state "
+                  f"{s['total'] / GB:,.2f} GB "
                   f"(params {s['params'] / GB:,.2f}, AdamW {s['opt_state'] / GB:,.2f}, reference "
                   f"{s['ref_params'] / GB:,.2f}), KV cache {p['kv_cache'] / GB:,.2f} GB",
                   "| program | rows x tokens | arguments | outputs | temporaries | peak | needs (with state) "
-                  "| GFLOP |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| GFLOP | GB accessed | kernels |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name, q in p["programs"].items():
             shape = f"{q['rows']} x {q['length']}" if q["rows"] else "-"
             lines.append(f"| {name} | {shape} | {q['argument'] / GB:,.2f} GB | {q['output'] / GB:,.2f} GB | "
                          f"{q['temp'] / GB:,.2f} GB | {q['peak'] / GB:,.2f} GB | {q['need'] / GB:,.2f} GB | "
-                         f"{q['flops'] / 1e9:,.0f} |")
+                         f"{q['flops'] / 1e9:,.0f} | {q['bytes_accessed'] / GB:,.2f} | {_kernels(q)} |")
     return "\n".join(lines)
 
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _child_env(platform: str, fake_devices: int) -> dict[str, str]:
+    """The environment of the process that compiles for ``platform``."""
+    if platform != "cpu":
+        return {**targets.compile_env(platform), CHILD_ENV: platform}
+    env = dict(os.environ, **{CHILD_ENV: f"cpu:{fake_devices}"})
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={fake_devices} {CPU_MEMORY_FLAGS}"
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+RESULT = "PLAN-RESULT "
+"""The line a compiling process prints its plan on, for the process that started it."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -671,19 +916,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     except C.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    if os.environ.get(CHILD_ENV) != str(request.fake_devices):
-        # The fake devices and XLA:CPU's schedule must be set before JAX starts: plan in a child process.
-        env = dict(os.environ, **{CHILD_ENV: str(request.fake_devices)})
-        env.pop("XLA_FLAGS", None)
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={request.fake_devices} {CPU_MEMORY_FLAGS}"
-        env["JAX_PLATFORMS"] = "cpu"
-        return subprocess.run([sys.executable, "-m", "experiments.plan", *argv], env=env).returncode
-    try:
-        plan = make_plan(request.cfg, request.hardware, devices=request.devices, layers=request.layers,
-                         model_path=request.model_path, log=_log)
-    except C.ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    groups = request.groups()
+    child = os.environ.get(CHILD_ENV)
+    if child is not None:  # this process compiles for one platform and hands its plan back
+        platform = child.split(":")[0]
+        try:
+            plan = make_plan(request.cfg, groups[platform], compiler="cpu" if platform == "cpu" else "target",
+                             devices=request.devices, layers=request.layers, model_path=request.model_path,
+                             log=_log)
+        except C.ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        print(RESULT + json.dumps(plan))
+        return 0
+    # The fake devices, the XLA:CPU schedule and a target's platform are set before JAX starts: each
+    # compiler plans in a process of its own.
+    parts = []
+    for platform, hardware in groups.items():
+        if platform == "cpu" and request.compiler == "auto":
+            _log(f"note: {', '.join(h.name for h in hardware)} planned on XLA:CPU (an upper bound): "
+                 f"{' / '.join(targets.COMPILER_PACKAGES[h.platform][1] for h in hardware)} compiles for the "
+                 "device itself")
+        env = _child_env(platform, request.fake_devices(hardware))
+        proc = subprocess.run([sys.executable, "-m", "experiments.plan", *argv], env=env,
+                              stdout=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            return proc.returncode
+        parts.append(json.loads(proc.stdout.split(RESULT, 1)[1]))
+    plan = merge_plans(parts, request.hardware)
     plan["preset"] = request.preset
     if request.json:
         print(json.dumps(plan, indent=1))

@@ -249,7 +249,7 @@ class Sampler:
         fn = self._program(Program(constrained=False))
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             sampling = Sampling.of(params, self.vocab_size)
-            return fn.lower(state, cache, *batch, None, jax.random.key(0), sampling)
+            return fn.lower(state, cache, *batch, None, jax.eval_shape(jax.random.key, 0), sampling)
 
     def _init_cache(self, batch: int, max_len: int):
         """A zero cache (mesh: cache sharding), donated to the jitted loop and written in place."""
@@ -295,7 +295,7 @@ class Sampler:
 
     def _build(self, program: Program) -> Callable:
         graphdef = self.graphdef
-        eos_ids = jnp.asarray(self.eos_ids, jnp.int32)
+        eos_ids = np.asarray(self.eos_ids, np.int32)  # a constant of the program: no device work
         pad_id = self.pad_id
 
         def run(state, cache, tokens, valid, limits, transitions, key, sampling):

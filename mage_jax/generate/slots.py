@@ -330,7 +330,7 @@ class SlotSampler:
         args = (state, self.abstract_slots(), i32((rows, prompt_len)),
                 jax.ShapeDtypeStruct((rows, prompt_len), jnp.bool_), *(i32(block) for _ in range(6)),
                 i32(block), i32(block + (KEY_PATH_LEN,)),
-                jax.random.key(0), self._sampling(params), self.abstract_bank(bank_shape))
+                jax.eval_shape(jax.random.key, 0), self._sampling(params), self.abstract_bank(bank_shape))
         with self._mesh_context():
             return self._insert_program().lower(*args)
 
@@ -342,7 +342,7 @@ class SlotSampler:
     def _build_insert(self) -> Callable:
         sampler = self.sampler
         graphdef, config, pad_id = sampler.graphdef, sampler.config, sampler.pad_id
-        eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
+        eos_ids = np.asarray(sampler.eos_ids, np.int32)  # a constant of the program: no device work
 
         def run(state, slots: Slots, tokens, valid, src, donor, base, prompt_lens, dst, limits, rule, paths,
                 key, sampling, bank) -> Slots:
@@ -555,13 +555,13 @@ class SlotSampler:
         every slot), lowered ahead of time for ``state`` like ``lower_insert``."""
         with self._mesh_context():
             return self._decode_program(window, bucket).lower(
-                state, self.abstract_slots(), jax.random.key(0), self._sampling(params),
+                state, self.abstract_slots(), jax.eval_shape(jax.random.key, 0), self._sampling(params),
                 self.abstract_bank(bank_shape))
 
     def _build_decode(self, window: int, bucket: int) -> Callable:
         sampler = self.sampler
         graphdef, pad_id, chunk = sampler.graphdef, sampler.pad_id, self.chunk
-        eos_ids = jnp.asarray(sampler.eos_ids, jnp.int32)
+        eos_ids = np.asarray(sampler.eos_ids, np.int32)  # a constant of the program: no device work
         whole = bucket == self.local_slots and window == self.max_len
 
         def run(state, slots: Slots, key, sampling, bank):

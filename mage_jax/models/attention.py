@@ -19,11 +19,17 @@ finite garbage that callers ignore. Implementations:
   takes per-row lengths, not segment ids: every row must hold one contiguous run of real tokens (left
   or right padding, as every batch of this project does), which is shifted to the front for the call.
 * ``splash``: the Pallas splash-attention kernel of ``jax.experimental.pallas.ops.tpu`` (TPU), with
-  native segment ids, run per row under ``vmap`` and, with a mesh in context, under ``shard_map`` over
-  the rows' batch axes (a Pallas kernel is opaque to the partitioner).
+  native segment ids, run per row under ``vmap`` and, with a mesh of several devices in context, always
+  under ``shard_map`` (a Pallas kernel is opaque to the partitioner): heads over ``tensor``, rows over
+  the other axes, padded with all-padding rows when they do not divide them (a 1-row micro-batch on 4
+  chips).
 
-``auto`` picks cuDNN on a GPU in half precision, splash on a TPU when T is a multiple of its block,
-and otherwise dense up to ``dense_max_len`` tokens, blockwise beyond.
+``auto`` picks cuDNN on a GPU of compute capability 8.0 or later (not a T4) in half precision, splash on
+a TPU when T is a multiple of its block, and otherwise dense up to ``dense_max_len`` tokens, blockwise
+beyond. The platform is that of the mesh in context (``current_platform``), so a program traced for a
+compile-only TPU or GPU topology (``experiments.plan --compiler target``) picks what that device runs;
+a compile-only GPU has no compute capability to ask, so its compiler's caller names it
+(``gpu_target``).
 
 Decode over a KV cache (``cached_attention``) takes per-row lengths: row b's valid slots are
 ``kv_start[b] .. cache_index + t`` for new token t, so no mask array is ever built or passed around.
@@ -31,8 +37,11 @@ Decode over a KV cache (``cached_attention``) takes per-row lengths: row b's val
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -44,17 +53,60 @@ _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 # ---------------------------------------------------------------------------- choice
+_GPU_TARGET: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "gpu_target", default=None)
+CUDNN_MIN_CAPABILITY = (8, 0)
+"""cuDNN's flash attention needs Ampere or later (a T4 is 7.5)."""
+
+
+def current_platform() -> str:
+    """The platform the program being traced is for: that of the mesh in context (a compile-only TPU or
+    GPU topology's too), else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+@contextlib.contextmanager
+def gpu_target(compute_capability: tuple[int, int]) -> Iterator[None]:
+    """Trace for a GPU of ``compute_capability`` (a compile-only target has no device to ask)."""
+    token = _GPU_TARGET.set(tuple(compute_capability))
+    try:
+        yield
+    finally:
+        _GPU_TARGET.reset(token)
+
+
+def gpu_compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of the GPU programs are traced for: ``gpu_target``'s, else the first GPU's; None
+    when neither is known."""
+    named = _GPU_TARGET.get()
+    if named is not None:
+        return named
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        return None
+    capability = getattr(device, "compute_capability", None)
+    return None if capability is None else tuple(int(x) for x in str(capability).split(".")[:2])
+
+
 def choose_implementation(
-    requested: str, seq_len: int, dtype, *, dense_max_len: int, platform: str | None = None
+    requested: str, seq_len: int, dtype, *, dense_max_len: int, platform: str | None = None,
+    compute_capability: tuple[int, int] | None = None,
 ) -> str:
-    """The implementation that runs for ``requested`` on ``platform`` (default: JAX's default backend).
+    """The implementation that runs for ``requested`` on ``platform`` (default: ``current_platform``) and,
+    on a GPU, ``compute_capability`` (default: ``gpu_compute_capability``; unknown counts as recent).
 
     An explicit request the platform cannot honour is one clear ``ValueError``, never a silent switch.
     """
-    platform = platform or jax.default_backend()
+    platform = platform or current_platform()
     half = jnp.dtype(dtype) in _HALF
+    gpu = platform in ("gpu", "cuda")
+    capability = (compute_capability or gpu_compute_capability()) if gpu else None
+    old_gpu = capability is not None and tuple(capability) < CUDNN_MIN_CAPABILITY
     if requested == "auto":
-        if platform in ("gpu", "cuda") and half:
+        if gpu and half and not old_gpu:
             return "cudnn"
         if platform == "tpu" and seq_len % _SPLASH_BLOCK == 0:
             return "splash"
@@ -66,6 +118,9 @@ def choose_implementation(
         if not half:
             raise ValueError("attention='cudnn' needs bfloat16 or float16 activations, "
                              f"got {jnp.dtype(dtype).name}")
+        if old_gpu:
+            raise ValueError(f"attention='cudnn' needs a GPU of compute capability 8.0 or later, this one is "
+                             f"{capability[0]}.{capability[1]}; use 'auto', 'blockwise' or 'dense'")
     if requested == "splash" and platform != "tpu":
         raise ValueError(f"attention='splash' needs a TPU, the platform is {platform!r}; "
                          "use 'auto', 'blockwise' or 'dense'")
@@ -371,6 +426,9 @@ def splash_attention(q, k, v, segment_ids, *, causal=True, sliding_window=None, 
     b, t, h, d = q.shape
     if t % _SPLASH_BLOCK:
         raise ValueError(f"splash attention needs a length that is a multiple of {_SPLASH_BLOCK}, got {t}")
+    mesh = jax.sharding.get_abstract_mesh()
+    heads_axis, row_axes = _splash_axes(mesh, h, k.shape[2])
+    local_heads = h // (mesh.shape[heads_axis] if heads_axis else 1)
     shape = (t, t)
     if sliding_window is not None:
         head_mask = splash.LocalMask(shape, (sliding_window - 1, 0 if causal else None), offset=0)
@@ -382,8 +440,8 @@ def splash_attention(q, k, v, segment_ids, *, causal=True, sliding_window=None, 
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
                               block_kv_dq=block)
-    kernel = splash.make_splash_mha(splash.MultiHeadMask([head_mask] * h), block_sizes=sizes, head_shards=1,
-                                    q_seq_shards=1, interpret=interpret)
+    kernel = splash.make_splash_mha(splash.MultiHeadMask([head_mask] * local_heads), block_sizes=sizes,
+                                    head_shards=1, q_seq_shards=1, interpret=interpret)
     q = (q.astype(jnp.float32) / math.sqrt(d)).astype(q.dtype)  # the kernel does not scale
 
     def one_row(qr, kr, vr, seg):
@@ -394,13 +452,32 @@ def splash_attention(q, k, v, segment_ids, *, causal=True, sliding_window=None, 
     # Padding tokens keep segment 0 and see each other, so no query row is empty (the kernel needs that);
     # real tokens never see them.
     rows = jax.vmap(one_row)
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = tuple(a for a in ("data", "fsdp") if not mesh.empty and a in mesh.axis_names)
-    if axes and b % math.prod(mesh.shape[a] for a in axes) == 0:
-        # A Pallas kernel is opaque to the partitioner: run it on each device's own rows.
-        spec = jax.sharding.PartitionSpec(axes)
-        rows = jax.shard_map(rows, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)
-    return rows(q, k, v, segment_ids)
+    if mesh.empty or mesh.size == 1:
+        return rows(q, k, v, segment_ids)
+    # A Pallas kernel is opaque to the partitioner ("Mosaic kernels cannot be automatically partitioned"):
+    # it runs under shard_map whatever the rows, on each device's own rows and heads. Rows that do not
+    # divide the devices are padded with all-padding rows (segment 0), computed beside the real ones.
+    ways = math.prod(mesh.shape[a] for a in row_axes)
+    pad = -b % ways
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, pad), (0, 0), (0, 0), (0, 0))) for x in (q, k, v))
+        segment_ids = jnp.pad(segment_ids, ((0, pad), (0, 0)))
+    lead = row_axes or None
+    spec = jax.sharding.PartitionSpec(lead, None, heads_axis, None)
+    rows = jax.shard_map(rows, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec(lead, None)),
+                         out_specs=spec, check_vma=False)
+    return rows(q, k, v, segment_ids)[:b]
+
+
+def _splash_axes(mesh, heads: int, kv_heads: int) -> tuple[str | None, tuple[str, ...]]:
+    """(the mesh axis the heads split over, the axes the rows split over) for splash under ``mesh``: heads
+    over ``tensor`` when it divides both head counts (they arrive split so), rows over every other axis
+    of more than one device, so that no device computes another's share."""
+    if mesh.empty:
+        return None, ()
+    tensor = mesh.shape.get("tensor", 1)
+    heads_axis = "tensor" if tensor > 1 and heads % tensor == 0 and kv_heads % tensor == 0 else None
+    return heads_axis, tuple(a for a in mesh.axis_names if a != heads_axis and mesh.shape[a] > 1)
 
 
 # ---------------------------------------------------------------------------- decode over a KV cache

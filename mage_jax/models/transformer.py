@@ -339,7 +339,7 @@ def _write_cache(kv: tuple[jax.Array, jax.Array], k_new: jax.Array, v_new: jax.A
     cache_k, cache_v = kv
     k_new, v_new = k_new.astype(cache_k.dtype), v_new.astype(cache_v.dtype)
     if layer is not None and cache_index.ndim == 1:
-        if cache_k.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        if cache_k.dtype == jnp.bfloat16 and attn.current_platform() == "cpu":
             part = _write_cache(_read_cache(kv, layer), k_new, v_new, cache_index, None)[1]
             return tuple(jax.lax.dynamic_update_index_in_dim(a, p, layer, axis=2)
                          for a, p in zip(kv, part)), part

@@ -199,6 +199,7 @@ class TrainStep:
         self.schedule = schedule
         self.config = config
         self.mesh = mesh
+        self._platform = mesh.devices.flat[0].platform  # a compile-only topology's too
         self._batch_sharding = shd.batch_sharding(mesh)
         self._replicated = shd.replicated(mesh)
         self._programs: dict[Any, tuple[Any, Any, Any]] = {}
@@ -313,7 +314,7 @@ class TrainStep:
                 return merge_micro_batches(parts)
 
             self._logprobs = jax.jit(logprobs, out_shardings=self._batch_sharding,
-                                     compiler_options=train_step_compiler_options())
+                                     compiler_options=train_step_compiler_options(self._platform))
         return self._logprobs
 
     def _jitted(self, shardings: TrainState) -> tuple[Any, Any, Any]:
@@ -322,7 +323,7 @@ class TrainStep:
         key = (tuple(key[0]), key[1])
         if key not in self._programs:
             grad_shardings = self.trainable(shardings.params)[0]
-            options = train_step_compiler_options()
+            options = train_step_compiler_options(self._platform)
             update = jax.jit(self._update_fn, donate_argnums=(0,),
                              out_shardings=(shardings, self._replicated), compiler_options=options)
             grads = jax.jit(self._grads_fn, out_shardings=(grad_shardings, self._replicated),

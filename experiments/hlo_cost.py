@@ -1,0 +1,356 @@
+"""FLOPs, bytes accessed and kernels of a compiled program, every loop counted as often as it runs.
+
+XLA's cost analysis (``compiled.cost_analysis()``) counts a ``while`` body once, whatever its trip
+count, so a program whose decoder blocks run under one ``lax.scan`` (the pretrained presets) reports one
+block; on a GPU it reports nothing at all for a compile-only target. ``program_cost`` therefore reads the
+optimized HLO the target compiler produced (``compiled.as_text()``) and runs XLA's own
+``HloCostAnalysis`` on it through a host client, once for the program and once per loop body (each body
+made the entry of a copy of the module), then adds each loop's body ``trip count - 1`` more times:
+
+    total(c) = xla(c) + sum over the loops w of c of [ n_w x total(body_w) - xla(body_w) ]
+
+A loop's trip count is read from its condition (``counter < N``, the counter starting from a constant,
+as ``lax.scan`` and ``fori_loop`` build them); a loop that ends on data (the decode chunk's ``while``:
+``step < chunk and not all done``) is counted once, so a decode program's numbers are those of one step.
+
+Library and Pallas kernels are custom calls, which XLA's analysis counts as zero FLOPs; their FLOPs are
+counted from their shapes: cuBLAS GEMMs from their dot dimensions, cuDNN's fused attention from its two
+batched products (x 2.5 for the backward pass, x 0.5 with a causal mask), a TPU Pallas kernel from the
+cost estimate it carries, else from the attention shapes of its operands. ``kernels`` lists the custom-call
+targets (the TPU's ``tpu_custom_call`` by kernel name, e.g. ``tpu_custom_call:splash_mha_fwd``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+_HEADER = re.compile(r"^(ENTRY )?%(\S+) \(")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%(\S+) = (.*)$")
+_OPCODE = re.compile(r"\s([a-z][a-z0-9\-]*)\(")
+_ARRAY = re.compile(r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m2|bf16|f16|f32|f64|c64|c128)"
+                    r"\[([0-9,]*)\]")
+_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
+          "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16}
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+"""cuBLAS GEMMs: a dot the GPU compiler hands to the library."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    opcode: str
+    text: str
+    """Everything after ``name = ``: result type, opcode, operands, attributes."""
+
+    @property
+    def result(self) -> str:
+        return self.text[:_OPCODE.search(self.text).start()]
+
+    def operands(self) -> list[str]:
+        """The operand names (``%x``, without the ``%``)."""
+        start = _OPCODE.search(self.text).end()
+        depth, end = 1, start
+        while depth and end < len(self.text):
+            depth += {"(": 1, ")": -1}.get(self.text[end], 0)
+            end += 1
+        return re.findall(r"%([\w.\-]+)", self.text[start:end - 1])
+
+    def attribute(self, key: str) -> str | None:
+        match = re.search(rf"[ ,]{key}=(%?[\w.\-$]+|\{{[^}}]*\}}|\"[^\"]*\")", self.text)
+        return None if match is None else match.group(1).lstrip("%")
+
+    def backend_config(self) -> dict[str, Any]:
+        match = re.search(r"backend_config=(\{.*\})(?:, [a-z_]+=|$)", self.text)
+        if match is None:
+            return {}
+        text = match.group(1)
+        for end in range(len(text), 0, -1):  # the JSON object ends at its own closing brace
+            if text[end - 1] == "}":
+                try:
+                    return json.loads(text[:end])
+                except ValueError:
+                    continue
+        return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    """The computations of an optimized HLO module's text, by name, and its entry's name."""
+
+    text: str
+    computations: dict[str, list[Instruction]]
+    entry: str
+
+    @classmethod
+    def parse(cls, text: str) -> Module:
+        computations: dict[str, list[Instruction]] = {}
+        entry, current, pending = "", None, None
+
+        def flush() -> None:
+            if current is not None and pending is not None and _OPCODE.search(pending[1]):
+                current.append(Instruction(pending[0], _OPCODE.search(pending[1]).group(1), pending[1]))
+
+        for line in text.splitlines():
+            header = _HEADER.match(line)
+            if header is not None and line.rstrip().endswith("{"):
+                flush()
+                current, pending = computations.setdefault(header.group(2), []), None
+                entry = header.group(2) if header.group(1) else entry
+                continue
+            if current is None:
+                continue
+            found = _INSTRUCTION.match(line)
+            if found is not None:
+                flush()
+                pending = (found.group(1), found.group(2))
+            elif line.startswith("}"):
+                flush()
+                current, pending = None, None
+            elif pending is not None:  # an attribute that spans lines (a kernel's metadata)
+                pending = (pending[0], pending[1] + "\n" + line)
+        flush()
+        return cls(text, computations, entry)
+
+    def by_name(self, computation: str) -> dict[str, Instruction]:
+        return {i.name: i for i in self.computations[computation]}
+
+    def as_entry(self, computation: str) -> str:
+        """The module's text with ``computation`` as its entry (to cost one loop body)."""
+        out = []
+        for line in self.text.split("\n"):
+            if line.startswith("HloModule "):  # the entry's layout, aliasing and donors are not the body's
+                line = line.split(",")[0]
+            elif line.startswith("ENTRY %"):
+                line = line[len("ENTRY "):]
+            elif line.startswith(f"%{computation} ("):
+                line = "ENTRY " + line
+            out.append(line)
+        return "\n".join(out)
+
+
+def array_shapes(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array in an HLO type (a tuple gives several)."""
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(type_text)]
+
+
+def type_bytes(type_text: str) -> float:
+    return sum(_BYTES[dtype] * math.prod(dims) for dtype, dims in array_shapes(type_text))
+
+
+# ----------------------------------------------------------------------------------------------
+# loops
+
+
+def trip_count(module: Module, parent: str, loop: Instruction) -> int | None:
+    """The trip count of ``while`` instruction ``loop`` of computation ``parent``: ``N - start`` when its
+    condition is ``counter < N`` (or ``N > counter``) for a constant N and the counter starts from a
+    constant; None when the loop ends on data."""
+    condition = module.by_name(loop.attribute("condition"))
+    root = module.computations[loop.attribute("condition")][-1]
+    if root.opcode != "compare":
+        return None
+    direction = root.attribute("direction")
+    a, b = (condition.get(n) for n in root.operands())
+    if direction == "GT":
+        a, b = b, a
+    elif direction != "LT":
+        return None
+    if a is None or b is None or a.opcode != "get-tuple-element" or b.opcode != "constant":
+        return None
+    bound = _constant(b)
+    index = int(a.attribute("index"))
+    start = 0
+    init = module.by_name(parent).get(loop.operands()[0])
+    if init is not None and init.opcode == "tuple":
+        value = _resolve_constant(module.by_name(parent), init.operands()[index])
+        start = 0 if value is None else value
+    return None if bound is None else max(bound - start, 0)
+
+
+def _constant(instruction: Instruction) -> int | None:
+    match = re.search(r"constant\((-?\d+)\)", instruction.text)
+    return None if match is None else int(match.group(1))
+
+
+def _resolve_constant(instructions: Mapping[str, Instruction], name: str) -> int | None:
+    for _ in range(4):  # through copies and bitcasts
+        instruction = instructions.get(name)
+        if instruction is None:
+            return None
+        if instruction.opcode == "constant":
+            return _constant(instruction)
+        if instruction.opcode not in ("copy", "bitcast", "convert"):
+            return None
+        name = instruction.operands()[0]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# custom calls (library and Pallas kernels)
+
+
+def custom_call_flops(instruction: Instruction, shapes: Mapping[str, str]) -> float:
+    """FLOPs of one library or Pallas kernel call (module docstring); ``shapes``: operand name -> type."""
+    target = instruction.attribute("custom_call_target").strip('"')
+    operands = [array_shapes(shapes.get(n, "")) for n in instruction.operands()]
+    operands = [o[0][1] if o else () for o in operands]
+    config = instruction.backend_config()
+    if target in GEMM_TARGETS:
+        dims = config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+        contracting = [int(d) for d in dims.get("lhs_contracting_dimensions", [])]
+        out = array_shapes(instruction.result)
+        if not out or not operands or not operands[0]:
+            return 0.0
+        return 2.0 * math.prod(out[0][1]) * math.prod(operands[0][d] for d in contracting)
+    if target.startswith("__cudnn$fmha"):
+        fmha = config.get("cudnn_fmha_backend_config", {})
+        dims = fmha.get("bmm1_dot_dimension_numbers", {})
+        backward = "Backward" in target
+        # bmm1 is Q.K^T (forward) / its recomputation (backward): lhs Q [.., T, .., D], rhs K [.., S, .., D]
+        q, k = operands[0], operands[1]
+        batch = [int(d) for d in dims.get("lhs_batch_dimensions", [])]
+        q_contract = [int(d) for d in dims.get("lhs_contracting_dimensions", [])]
+        k_batch = [int(d) for d in dims.get("rhs_batch_dimensions", [])]
+        k_contract = [int(d) for d in dims.get("rhs_contracting_dimensions", [])]
+        if not q or not k or not batch:
+            return 0.0
+        t = math.prod(q[d] for d in range(len(q)) if d not in batch + q_contract)
+        s = math.prod(k[d] for d in range(len(k)) if d not in k_batch + k_contract)
+        bmm = 2.0 * math.prod(q[d] for d in batch) * t * s * math.prod(q[d] for d in q_contract)
+        causal = "CAUSAL" in str(fmha.get("mask_type", ""))
+        return bmm * (5 if backward else 2) * (0.5 if causal else 1.0)
+    if target == "tpu_custom_call":
+        estimate = (config.get("custom_call_config", {}).get("cost_estimate") or config.get("cost_estimate")
+                    or {})
+        if estimate.get("flops"):
+            return float(estimate["flops"])
+        name = kernel_name(instruction).split(":", 1)[-1]
+        if name.startswith("splash_mha"):  # q [B, H, T, D] and k [B, Hkv, S, D]: the first 4-d float operands
+            q, k = [o for o, s in zip(operands, instruction.operands())
+                    if len(o) == 4 and _float(shapes.get(s, ""))][:2]
+            bmm = 2.0 * q[0] * q[1] * q[2] * k[2] * q[3]
+            products = 4 if "dkv" in name else 3 if "dq" in name else 2  # forward: Q.K^T and P.V
+            causal = 0.5  # every plan's attention is causal: splash skips the blocks above the diagonal
+            return bmm * products * causal
+    return 0.0
+
+
+def _float(type_text: str) -> bool:
+    shapes = array_shapes(type_text)
+    return bool(shapes) and shapes[0][0] in ("bf16", "f16", "f32", "f64")
+
+
+def kernel_name(instruction: Instruction) -> str:
+    """The custom call's target; a TPU Pallas kernel with its name (``tpu_custom_call:NAME``)."""
+    target = instruction.attribute("custom_call_target").strip('"')
+    if target == "tpu_custom_call":  # a Pallas kernel: the instruction is named after it
+        return target + ":" + re.sub(r"[.]\d+$", "", instruction.name)
+    return target
+
+
+# ----------------------------------------------------------------------------------------------
+# the program
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost:
+    """Per device: FLOPs and bytes accessed of one run of a program (one step of a loop that ends on
+    data), the custom-call kernels it calls (name -> calls in the HLO), and its loops' trip counts."""
+
+    flops: float
+    bytes_accessed: float
+    kernels: dict[str, int]
+    loops: list[int | None]
+    """Trip count of every ``while`` (None: ends on data, counted once)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _host_client() -> Any:
+    from jax._src.lib import xla_client
+
+    return xla_client.make_cpu_client()
+
+
+def _xla_cost(text: str) -> tuple[float, float]:
+    """(flops, bytes accessed) of XLA's HloCostAnalysis of a module's entry (loop bodies once)."""
+    from jax._src.lib import xla_client
+    from jaxlib import _hlo
+
+    cost = xla_client._xla.hlo_module_cost_analysis(_host_client(), _hlo.hlo_module_from_text(text))
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def program_cost(hlo_text: str) -> ProgramCost:
+    """The ``ProgramCost`` of an optimized HLO module's text (``compiled.as_text()``)."""
+    module = Module.parse(hlo_text)
+    loops: dict[str, list[tuple[str, int | None]]] = {}  # computation -> its while bodies, trip counts
+    for name, instructions in module.computations.items():
+        for i in instructions:
+            if i.opcode == "while":
+                loops.setdefault(name, []).append((i.attribute("body"), trip_count(module, name, i)))
+    xla: dict[str, tuple[float, float]] = {}
+
+    def xla_of(computation: str) -> tuple[float, float]:
+        if computation not in xla:
+            text = module.text if computation == module.entry else module.as_entry(computation)
+            xla[computation] = _xla_cost(text)
+        return xla[computation]
+
+    @functools.cache
+    def total(computation: str) -> tuple[float, float]:
+        flops, bytes_ = xla_of(computation)
+        for body, n in loops.get(computation, []):
+            if n is None or n == 1:
+                continue
+            body_flops, body_bytes = total(body)
+            once_flops, once_bytes = xla_of(body)
+            flops += n * body_flops - once_flops
+            bytes_ += n * body_bytes - once_bytes
+        return flops, bytes_
+
+    flops, bytes_ = total(module.entry)
+    # custom calls: XLA counts no FLOPs for them; each is counted as often as its computation runs
+    runs = _runs(module, loops)
+    kernels: Counter[str] = Counter()
+    for name, instructions in module.computations.items():
+        shapes = {i.name: i.result for i in instructions}
+        for i in instructions:
+            if i.opcode == "custom-call":
+                kernels[kernel_name(i)] += 1
+                flops += runs.get(name, 0) * custom_call_flops(i, shapes)
+    return ProgramCost(flops, bytes_, dict(sorted(kernels.items())),
+                       [n for body in loops.values() for _, n in body])
+
+
+def _runs(module: Module, loops: Mapping[str, list[tuple[str, int | None]]]) -> dict[str, float]:
+    """How many times each computation runs per run of the entry (loops ending on data: once)."""
+    runs: dict[str, float] = {module.entry: 1.0}
+    pending = [module.entry]
+    while pending:
+        name = pending.pop()
+        trips = {body: n for body, n in loops.get(name, [])}
+        for i in module.computations.get(name, []):
+            for callee in _callees(i):
+                if callee in module.computations and callee not in runs:
+                    runs[callee] = runs[name] * (trips.get(callee) or 1 if callee in trips else 1)
+                    pending.append(callee)
+    return runs
+
+
+def _callees(instruction: Instruction) -> list[str]:
+    names = []
+    for key in ("body", "condition", "calls", "to_apply"):
+        value = instruction.attribute(key)
+        if value is not None:
+            names.append(value)
+    branches = re.search(r"branch_computations=\{([^}]*)\}", instruction.text)
+    if branches:
+        names += re.findall(r"%([\w.\-]+)", branches.group(1))
+    return names
