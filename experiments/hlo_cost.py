@@ -9,8 +9,9 @@ made the entry of a copy of the module), then adds each loop's body ``trip count
 
     total(c) = xla(c) + sum over the loops w of c of [ n_w x total(body_w) - xla(body_w) ]
 
-A loop's trip count is read from its condition (``counter < N``, the counter starting from a constant,
-as ``lax.scan`` and ``fori_loop`` build them); a loop that ends on data (the decode chunk's ``while``:
+A loop's trip count is the GPU compiler's ``known_trip_count``, else read from its condition
+(``counter < N``, the counter starting from a constant, as ``lax.scan`` and ``fori_loop`` build them);
+a loop that ends on data (the decode chunk's ``while``:
 ``step < chunk and not all done``) is counted once, so a decode program's numbers are those of one step.
 
 Library and Pallas kernels are custom calls, which XLA's analysis counts as zero FLOPs; their FLOPs are
@@ -90,6 +91,7 @@ class Module:
 
     @classmethod
     def parse(cls, text: str) -> Module:
+        text = unwrap_async_fusions(text)
         computations: dict[str, list[Instruction]] = {}
         entry, current, pending = "", None, None
 
@@ -110,7 +112,7 @@ class Module:
             if found is not None:
                 flush()
                 pending = (found.group(1), found.group(2))
-            elif line.startswith("}"):
+            elif line.rstrip() == "}":
                 flush()
                 current, pending = None, None
             elif pending is not None:  # an attribute that spans lines (a kernel's metadata)
@@ -122,17 +124,57 @@ class Module:
         return {i.name: i for i in self.computations[computation]}
 
     def as_entry(self, computation: str) -> str:
-        """The module's text with ``computation`` as its entry (to cost one loop body)."""
+        """The module's text with ``computation`` as its entry (to cost one loop body; the entry itself
+        too). The header keeps only the module's name: the entry's layout, aliasing and donors are not a
+        body's, and the schedule (``is_scheduled``) is not checked again, which async pairs can fail."""
         out = []
         for line in self.text.split("\n"):
-            if line.startswith("HloModule "):  # the entry's layout, aliasing and donors are not the body's
+            if line.startswith("HloModule "):
                 line = line.split(",")[0]
-            elif line.startswith("ENTRY %"):
+            elif line.startswith("ENTRY %") and computation != self.entry:
                 line = line[len("ENTRY "):]
-            elif line.startswith(f"%{computation} ("):
+            elif line.startswith(f"%{computation} (") and computation != self.entry:
                 line = "ENTRY " + line
             out.append(line)
         return "\n".join(out)
+
+
+_FUSION_START = re.compile(r"^(\s+(?:ROOT )?%\S+ = )(\(.*?) fusion-start\(")
+_FUSION_DONE = re.compile(r"^(\s+(?:ROOT )?%\S+ = \S+) fusion-done\(")
+
+
+def unwrap_async_fusions(text: str) -> str:
+    """The GPU compiler runs some fusions asynchronously (``fusion-start`` / ``fusion-done``); XLA's
+    analysis then misses that a fusion whose root is a dynamic-update-slice or scatter writes in place
+    and counts the whole buffer. Written back as the plain fusion they wrap (the done a bitcast)."""
+    out = []
+    for line in text.split("\n"):
+        start = _FUSION_START.match(line)
+        if start is not None:
+            result = _tuple_elements(start.group(2))[1]
+            line = f"{start.group(1)}{result} fusion(" + line[start.end():]
+        else:
+            done = _FUSION_DONE.match(line)
+            if done is not None:
+                line = f"{done.group(1)} bitcast(" + line[done.end():]
+        out.append(line)
+    return "\n".join(out)
+
+
+def _tuple_elements(type_text: str) -> list[str]:
+    """The top-level elements of an HLO tuple type ``(a, (b, c), d)``."""
+    inner, parts, depth, current = type_text.strip()[1:-1], [], 0, ""
+    for ch in inner:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    return [*parts, current.strip()]
 
 
 def array_shapes(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -151,7 +193,10 @@ def type_bytes(type_text: str) -> float:
 def trip_count(module: Module, parent: str, loop: Instruction) -> int | None:
     """The trip count of ``while`` instruction ``loop`` of computation ``parent``: ``N - start`` when its
     condition is ``counter < N`` (or ``N > counter``) for a constant N and the counter starts from a
-    constant; None when the loop ends on data."""
+    constant (or the GPU compiler's ``known_trip_count``); None when the loop ends on data."""
+    known = loop.backend_config().get("known_trip_count", {}).get("n")
+    if known is not None:
+        return int(known)
     condition = module.by_name(loop.attribute("condition"))
     root = module.computations[loop.attribute("condition")][-1]
     if root.opcode != "compare":
@@ -232,10 +277,12 @@ def custom_call_flops(instruction: Instruction, shapes: Mapping[str, str]) -> fl
         if estimate.get("flops"):
             return float(estimate["flops"])
         name = kernel_name(instruction).split(":", 1)[-1]
-        if name.startswith("splash_mha"):  # q [B, H, T, D] and k [B, Hkv, S, D]: the first 4-d float operands
-            q, k = [o for o, s in zip(operands, instruction.operands())
-                    if len(o) == 4 and _float(shapes.get(s, ""))][:2]
-            bmm = 2.0 * q[0] * q[1] * q[2] * k[2] * q[3]
+        if name.startswith("splash_mha"):  # q [.., H, T, D] and k [.., Hkv, S, D]: the first float operands
+            q, k = ([o for o, n in zip(operands, instruction.operands())
+                     if len(o) >= 3 and _float(shapes.get(n, ""))] + [(), ()])[:2]
+            if not q or not k:
+                return 0.0
+            bmm = 2.0 * math.prod(q[:-1]) * k[-2] * q[-1]
             products = 4 if "dkv" in name else 3 if "dq" in name else 2  # forward: Q.K^T and P.V
             causal = 0.5  # every plan's attention is causal: splash skips the blocks above the diagonal
             return bmm * products * causal
@@ -287,8 +334,9 @@ def _xla_cost(text: str) -> tuple[float, float]:
     return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
 
-def program_cost(hlo_text: str) -> ProgramCost:
-    """The ``ProgramCost`` of an optimized HLO module's text (``compiled.as_text()``)."""
+def program_cost(hlo_text: str, platform: str = "tpu") -> ProgramCost:
+    """The ``ProgramCost`` of an optimized HLO module's text (``compiled.as_text()``) from the compiler
+    of ``platform`` (``tpu``, ``gpu`` or ``cpu``)."""
     module = Module.parse(hlo_text)
     loops: dict[str, list[tuple[str, int | None]]] = {}  # computation -> its while bodies, trip counts
     for name, instructions in module.computations.items():
@@ -299,16 +347,26 @@ def program_cost(hlo_text: str) -> ProgramCost:
 
     def xla_of(computation: str) -> tuple[float, float]:
         if computation not in xla:
-            text = module.text if computation == module.entry else module.as_entry(computation)
-            xla[computation] = _xla_cost(text)
+            xla[computation] = _xla_cost(module.as_entry(computation))
         return xla[computation]
+
+    def inline(computation: str) -> list[str]:
+        """``computation`` and what it calls other than loop bodies (conditional branches, calls): XLA
+        counts these once per run of ``computation``, loops inside them included."""
+        seen, pending = [computation], [computation]
+        while pending:
+            for i in module.computations.get(pending.pop(), []):
+                for callee in _callees(i, loops=False):
+                    if callee in module.computations and callee not in seen:
+                        seen.append(callee)
+                        pending.append(callee)
+        return seen
 
     @functools.cache
     def total(computation: str) -> tuple[float, float]:
         flops, bytes_ = xla_of(computation)
-        for body, n in loops.get(computation, []):
-            if n is None or n == 1:
-                continue
+        for body, n in (loop for c in inline(computation) for loop in loops.get(c, [])):
+            n = 1 if n is None else n  # a loop that ends on data: once, its own loops at their counts
             body_flops, body_bytes = total(body)
             once_flops, once_bytes = xla_of(body)
             flops += n * body_flops - once_flops
@@ -325,8 +383,27 @@ def program_cost(hlo_text: str) -> ProgramCost:
             if i.opcode == "custom-call":
                 kernels[kernel_name(i)] += 1
                 flops += runs.get(name, 0) * custom_call_flops(i, shapes)
+            elif i.opcode == "fusion" and platform != "tpu":
+                bytes_ -= runs.get(name, 0) * _in_place_scatter_excess(module, i, shapes)
     return ProgramCost(flops, bytes_, dict(sorted(kernels.items())),
                        [n for body in loops.values() for _, n in body])
+
+
+def _in_place_scatter_excess(module: Module, fusion: Instruction, shapes: Mapping[str, str]) -> float:
+    """Bytes XLA's analysis over-counts for a fusion whose root scatters into one of its operands: the
+    GPU and CPU compilers write it in place (their HLO does not say so; the TPU's does), so the buffer
+    is neither read nor written whole, only the updated rows (read and written) and the indices."""
+    body = module.computations.get(fusion.attribute("calls") or "", [])
+    if not body or body[-1].opcode != "scatter":
+        return 0.0
+    by_name = {i.name: i for i in body}
+    target, indices, updates = (by_name.get(n) for n in body[-1].operands()[:3])
+    if target is None or target.opcode != "parameter":
+        return 0.0
+    whole = type_bytes(body[-1].result)
+    touched = 2 * type_bytes(updates.result if updates is not None else "") + type_bytes(
+        indices.result if indices is not None else "")
+    return max(2 * whole - touched, 0.0)
 
 
 def _runs(module: Module, loops: Mapping[str, list[tuple[str, int | None]]]) -> dict[str, float]:
@@ -344,9 +421,10 @@ def _runs(module: Module, loops: Mapping[str, list[tuple[str, int | None]]]) -> 
     return runs
 
 
-def _callees(instruction: Instruction) -> list[str]:
+def _callees(instruction: Instruction, *, loops: bool = True) -> list[str]:
+    """The computations ``instruction`` calls (``loops``: a while's body and condition too)."""
     names = []
-    for key in ("body", "condition", "calls", "to_apply"):
+    for key in ("body", "condition", "calls", "to_apply") if loops else ("calls", "to_apply"):
         value = instruction.attribute(key)
         if value is not None:
             names.append(value)

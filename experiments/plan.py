@@ -282,9 +282,9 @@ class ProgramMeasure:
         return self.argument + self.output - self.alias + self.temp
 
     @classmethod
-    def of(cls, compiled: Any) -> ProgramMeasure:
+    def of(cls, compiled: Any, platform: str) -> ProgramMeasure:
         mem = compiled.memory_analysis()
-        cost = hlo_cost.program_cost(compiled.as_text())
+        cost = hlo_cost.program_cost(compiled.as_text(), platform)
         return cls(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
                    int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), cost.flops,
                    cost.bytes_accessed, cost.kernels)
@@ -358,7 +358,7 @@ def _measure(name: str, setup: Setup, depth: int, key: tuple, compile_fn: Any, l
     if full_key not in _COMPILED:
         started = time.perf_counter()
         log(f"compiling {name} on {setup.mesh.size} {device.device_kind} devices at {depth} layers {key} ...")
-        _COMPILED[full_key] = ProgramMeasure.of(compile_fn()).as_dict()
+        _COMPILED[full_key] = ProgramMeasure.of(compile_fn(), device.platform).as_dict()
         seconds = time.perf_counter() - started
         log(f"  {name}: {_COMPILED[full_key]['peak'] / GB:,.2f} GB per device ({seconds:.0f} s)")
     return _COMPILED[full_key]
@@ -934,9 +934,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parts = []
     for platform, hardware in groups.items():
         if platform == "cpu" and request.compiler == "auto":
+            installs = " / ".join(dict.fromkeys(targets.COMPILER_PACKAGES[h.platform][1] for h in hardware))
             _log(f"note: {', '.join(h.name for h in hardware)} planned on XLA:CPU (an upper bound): "
-                 f"{' / '.join(targets.COMPILER_PACKAGES[h.platform][1] for h in hardware)} compiles for the "
-                 "device itself")
+                 f"{installs} compiles for the device itself")
         env = _child_env(platform, request.fake_devices(hardware))
         proc = subprocess.run([sys.executable, "-m", "experiments.plan", *argv], env=env,
                               stdout=subprocess.PIPE, text=True)
