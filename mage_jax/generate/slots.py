@@ -13,8 +13,8 @@ slot state they share; scheduling (which request goes where, prefix sharing, pac
   into its own slots only (``_on_blocks``, a ``shard_map``), so a donor slot must lie on its target's
   device. (Copies at global slot indices made XLA hold every target's keys and values of every layer on
   every device: 332 GB per device for Kuhn Poker ``paper`` on 8 H100, 31 GB now.) The copies happen
-  layer by layer inside the prefill (a ``models.transformer.KVSink``): a scanned model's prefill into a
-  temporary cache of every layer, copied afterwards, held 4.7 GB more at ``small`` (docs/scaling.md).
+  layer by layer inside the prefill (a ``models.transformer.KVSink``): a prefill into a temporary cache
+  of every layer, copied afterwards, held 4.7 GB more at ``small`` (docs/scaling.md).
 * ``decode``: up to ``chunk`` decode steps of every slot at once, leaving the loop early when every slot
   is done. Each slot writes at its own cache position and attends over its own span
   ``kv_start .. write`` (per-row ``cache_index`` of ``models.transformer``), so a slot that holds a
@@ -341,7 +341,7 @@ class SlotSampler:
 
     def _build_insert(self) -> Callable:
         sampler = self.sampler
-        graphdef, config, pad_id = sampler.graphdef, sampler.config, sampler.pad_id
+        graphdef, pad_id = sampler.graphdef, sampler.pad_id
         eos_ids = np.asarray(sampler.eos_ids, np.int32)  # a constant of the program: no device work
 
         def run(state, slots: Slots, tokens, valid, src, donor, base, prompt_lens, dst, limits, rule, paths,
@@ -371,11 +371,11 @@ class SlotSampler:
             def sink(cache: KVCache, layer, k, v) -> KVCache:
                 # Layer ``layer``'s prompt keys [rows, Hkv, D, P] and values [rows, Hkv, P, D] go straight
                 # into the targets' slots (or a donor's are copied), one layer at a time inside the
-                # prefill's scan: no cache of every layer of the prompt rows is ever held.
+                # prefill: no cache of every layer of the prompt rows is ever held.
                 k, v = k.astype(cache.k[0].dtype), v.astype(cache.v[0].dtype)
                 return update_layer(lambda ck, cv: (
                     self._on_blocks(copy_keys, ck, specs.cache.k[0], gather, k),
-                    self._on_blocks(copy_values, cv, specs.cache.v[0], gather, v)), config, cache, layer)
+                    self._on_blocks(copy_values, cv, specs.cache.v[0], gather, v)), cache, layer)
 
             # The sampler's prefill (``step.prefill``) with its keys and values sunk into the slots.
             hidden, cache = model(tokens, positions_from_mask(valid), valid, sink=KVSink(sink, slots.cache))

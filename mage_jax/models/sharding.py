@@ -177,8 +177,7 @@ def cache_sharding(config: ModelConfig, mesh: Mesh, batch: int) -> NamedSharding
     """KV cache: rows over ('data','fsdp'), kv heads over 'tensor' when they divide.
 
     One sharding for every leaf of the `KVCache`: per-layer keys [B,Hkv,D,S] and values [B,Hkv,S,D]
-    both lead with rows and kv heads; the scanned layout's [B,Hkv·L,...] folds the layers into the kv-head
-    axis head-major, so splitting it over 'tensor' still gives each device whole heads of every layer.
+    both lead with rows and kv heads.
     """
     rows = BATCH_AXES if batch % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else None
     heads = "tensor" if config.num_kv_heads % mesh.shape["tensor"] == 0 else None

@@ -30,18 +30,24 @@ contracts the slots against the values' rows. They are only ever written with
 
 Two layouts of the blocks, chosen by `ModelConfig.scan_layers`:
 
-* unrolled (the reference): `layers` is a list of blocks, each program holds one copy of every block,
-  and the cache holds one key and one value array per layer (a layer reads its cache without slicing);
-* scanned: `layers` is one block whose every parameter has a leading layer axis [L, ...], run under
-  one `jax.lax.scan`, so a program holds one copy of the block whatever the depth. The cache is then one
-  key array [B, num_kv_heads·L, head_dim, S] and one value array [B, num_kv_heads·L, S, head_dim]: the
-  layers folded into the kv-head axis head-major (index h·L + l), so it has the same rows axis, slot axis
-  and kv-head sharding as the per-layer arrays (the engine's slot programs treat both alike), and the
-  scan carries it whole and writes each layer's new slots in place.
+* unrolled (the reference): `layers` is a list of blocks, each program holds one copy of every block;
+* scanned: `layers` is one block whose every parameter has a leading layer axis [L, ...]. A pass without
+  a cache (training, the log-prob recompute) runs it under one `jax.lax.scan`, so the program holds one
+  copy of the block whatever the depth. Generation (a call with a cache or a KV sink) runs the blocks
+  one after another from static slices of the stacked parameters, exactly as the unrolled layout does.
+
+The cache holds one key and one value array per layer in both layouts, so that a layer's attention reads
+its own array. A cache stacked over layers (one array carried through the scan, each layer's slice read
+at the layer index) is read through a copy of that slice: XLA:CPU, the GPU compiler and the TPU compiler
+all materialise a dynamically (or statically) indexed slice of a buffer before the attention products,
+so a decode step moved each layer's cache three times (slice read, copy written, copy read) instead of
+once, and on a TPU the stacked cache was also relaid out whole twice per step (8 times the cache's bytes
+per step by XLA:TPU's own analysis, docs/scaling.md). Generation programs therefore compile in time
+growing with depth, as unrolled ones do.
 
 A prefill may hand each layer's keys and values to a `KVSink` instead of a cache (the rollout engine
-copies them straight into its slots): the sink's state rides in the scan's carry and is written one
-layer at a time, so no program holds a cache of every layer of the prompt rows besides its destination.
+copies them straight into its slots, layer by layer), so no program holds a cache of every layer of the
+prompt rows besides its destination.
 """
 
 from __future__ import annotations
@@ -65,8 +71,8 @@ from mage_jax.models.mesh_axes import constrain_rows
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys `k[i]` [B, Hkv, D, S] and values `v[i]` [B, Hkv, S, D] per layer, or one of each with the
-    layers folded into the kv-head axis when the model scans its blocks (see the module docstring)."""
+    """Keys `k[i]` [B, Hkv, D, S] and values `v[i]` [B, Hkv, S, D] of every layer i (both layouts of the
+    blocks; see the module docstring)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -79,65 +85,43 @@ class KVCache:
     def batch_size(self) -> int:
         return self.v[0].shape[0]
 
-    def num_layers(self, num_kv_heads: int) -> int:
-        """Layers held, for a model of `num_kv_heads` kv heads (either layout)."""
-        return len(self.k) * self.k[0].shape[1] // num_kv_heads
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
 
-    def layer(self, i: int, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
+    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of layer `i` in token-major order, [B, S, Hkv, D] each (inspection, tests)."""
-        if self.k[0].shape[1] == num_kv_heads:
-            k, v = self.k[i], self.v[i]
-        else:
-            b, folded, dim, slots = self.k[0].shape
-            shape = (b, num_kv_heads, folded // num_kv_heads)
-            k = self.k[0].reshape(*shape, dim, slots)[:, :, i]
-            v = self.v[0].reshape(*shape, slots, dim)[:, :, i]
-        return k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)
+        return self.k[i].transpose(0, 3, 1, 2), self.v[i].transpose(0, 2, 1, 3)
 
 
 @dataclasses.dataclass(frozen=True)
 class KVSink:
     """Where a prefill's keys and values go in place of a cache: after layer `i` has computed the keys
     k [B, Hkv, D, T] and values v [B, Hkv, T, D] of the T prompt tokens (the cache layout, the compute
-    dtype), `write(into, i, k, v)` returns the new `into` (any pytree; `i` is a Python int for unrolled
-    blocks, a traced int32 under the scan). The prefill returns the final `into` in place of a cache."""
+    dtype), `write(into, i, k, v)` returns the new `into` (any pytree; `i` is the layer's Python int). The
+    prefill returns the final `into` in place of a cache."""
 
     write: Callable[[object, int | jax.Array, jax.Array, jax.Array], object]
     into: object
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    """A zero cache for `batch` rows of `max_len` slots (dtype defaults to the compute dtype), in the
-    layout of `config.scan_layers`."""
+    """A zero cache for `batch` rows of `max_len` slots (dtype defaults to the compute dtype)."""
     dtype = config.jnp_dtype if dtype is None else jnp.dtype(dtype)
     heads, dim, n = config.num_kv_heads, config.head_dim, config.num_layers
-    if config.scan_layers:
-        return KVCache(k=(jnp.zeros((batch, heads * n, dim, max_len), dtype),),
-                       v=(jnp.zeros((batch, heads * n, max_len, dim), dtype),))
     return KVCache(
         k=tuple(jnp.zeros((batch, heads, dim, max_len), dtype) for _ in range(n)),
         v=tuple(jnp.zeros((batch, heads, max_len, dim), dtype) for _ in range(n)),
     )
 
 
-def update_layer(update: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]], config: ModelConfig,
-                 cache: KVCache, layer: int | jax.Array) -> KVCache:
-    """``update(keys, values) -> (keys, values)`` on layer ``layer`` of ``cache`` (either layout): keys
-    [B, Hkv, D, S] and values [B, Hkv, S, D]. A scanned model's layer (``layer`` may be traced) is sliced
-    from the stacked leaves and written back in place, so ``update``'s gathers and scatters hold one
-    layer's share instead of copies of the whole cache; an unrolled model's (``layer`` a Python int) is
-    its own pair of arrays."""
-    if not config.scan_layers:
-        k, v = update(cache.k[layer], cache.v[layer])
-        return KVCache(k=cache.k[:layer] + (k,) + cache.k[layer + 1:],
-                       v=cache.v[:layer] + (v,) + cache.v[layer + 1:])
-    (k,), (v,) = cache.k, cache.v
-    b, _, dim, slots = k.shape
-    heads, n = config.num_kv_heads, config.num_layers
-    stacked = (k.reshape(b, heads, n, dim, slots), v.reshape(b, heads, n, slots, dim))  # head-major: bitcast
-    parts = update(*_read_cache(stacked, layer))
-    new_k, new_v = (jax.lax.dynamic_update_index_in_dim(a, p, layer, axis=2) for a, p in zip(stacked, parts))
-    return KVCache(k=(new_k.reshape(k.shape),), v=(new_v.reshape(v.shape),))
+def update_layer(update: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]], cache: KVCache,
+                 layer: int) -> KVCache:
+    """``update(keys, values) -> (keys, values)`` on layer ``layer`` of ``cache``: keys [B, Hkv, D, S] and
+    values [B, Hkv, S, D], the layer's own arrays."""
+    k, v = update(cache.k[layer], cache.v[layer])
+    return KVCache(k=cache.k[:layer] + (k,) + cache.k[layer + 1:],
+                   v=cache.v[:layer] + (v,) + cache.v[layer + 1:])
 
 
 # ---------------------------------------------------------------------------- masks and positions
@@ -298,12 +282,11 @@ class Attention(nnx.Module):
             self.k_norm = nnx.data(None)
 
     def __call__(self, x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation: str,
-                 layer: jax.Array | None = None, emit_kv: bool = False):
+                 emit_kv: bool = False):
         """-> (output [B,T,H], the updated (keys, values) cache or None).
 
-        `kv` is this layer's (keys, values), or with `layer` (the scanned layout) every layer's,
-        [B, Hkv, L, D, S] and [B, Hkv, L, S, D], of which layer `layer` is read and written. Without a
-        cache, `emit_kv` returns the new keys [B,Hkv,D,T] and values [B,Hkv,T,D] in its place (a sink)."""
+        `kv` is this layer's (keys [B,Hkv,D,S], values [B,Hkv,S,D]). Without a cache, `emit_kv` returns
+        the new keys [B,Hkv,D,T] and values [B,Hkv,T,D] in its place (a sink)."""
         b, t, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q = constrain_rows(self.q_proj(x).reshape(b, t, heads, dim))
@@ -313,61 +296,52 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
-            kv, this_layer = _write_cache(kv, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), cache_index,
-                                          layer)
+            kv = _write_cache(kv, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), cache_index)
         elif emit_kv:
             kv = (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
         if kv_start is None:  # a prefill reads nothing back from the cache
             out = attn.self_attention(q, k, v, segment_ids, implementation=implementation,
                                       block_size=self.block_size)
         else:
-            out = attn.cached_attention(q, *this_layer, kv_start, cache_index)
+            out = attn.cached_attention(q, *kv, kv_start, cache_index)
         return constrain_rows(self.o_proj(constrain_rows(out.reshape(b, t, heads * dim)))), kv
 
 
-def _write_cache(kv: tuple[jax.Array, jax.Array], k_new: jax.Array, v_new: jax.Array, cache_index: jax.Array,
-                 layer: jax.Array | None) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-    """Write keys [B,Hkv,D,T] and values [B,Hkv,T,D] at slots `cache_index ..` of one layer's cache, or
-    (`layer` given) of layer `layer` of the stacked [B,Hkv,L,...] cache, in place. -> (the updated
-    cache, this layer's keys [B,Hkv,D,S] and values [B,Hkv,S,D] after the write).
-
-    `cache_index` is one position for every row, or one per row (the rollout engine's slots each sit
-    at their own length); a per-row position past the cache writes nothing (a finished slot). Per-row
-    writes into the stacked cache scatter into the stack in place. XLA:CPU computes a bfloat16 scatter
-    in float32, out of place, which would copy every layer's cache: there the write goes into the
-    layer's slice (read anyway for attention), which is then put back."""
+def _write_cache(kv: tuple[jax.Array, jax.Array], k_new: jax.Array, v_new: jax.Array,
+                 cache_index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Write keys [B,Hkv,D,T] and values [B,Hkv,T,D] at slots `cache_index ..` of one layer's cache, in
+    place. `cache_index` is one position for every row, or one per row (the rollout engine's slots each
+    sit at their own length); a per-row position past the cache writes nothing (a finished slot). A
+    bfloat16 cache on the CPU is written row by row (`_write_rows`)."""
     cache_k, cache_v = kv
     k_new, v_new = k_new.astype(cache_k.dtype), v_new.astype(cache_v.dtype)
-    if layer is not None and cache_index.ndim == 1:
-        if cache_k.dtype == jnp.bfloat16 and attn.current_platform() == "cpu":
-            part = _write_cache(_read_cache(kv, layer), k_new, v_new, cache_index, None)[1]
-            return tuple(jax.lax.dynamic_update_index_in_dim(a, p, layer, axis=2)
-                         for a, p in zip(kv, part)), part
-        rows = jnp.arange(k_new.shape[0])[:, None]
-        at = cache_index[:, None] + jnp.arange(k_new.shape[-1])[None, :]  # [B,T]
-        kv = (cache_k.at[rows, :, layer, :, at].set(k_new.transpose(0, 3, 1, 2), mode="drop"),
-              cache_v.at[rows, :, layer, at, :].set(v_new.transpose(0, 2, 1, 3), mode="drop"))
-        return kv, _read_cache(kv, layer)
     if cache_index.ndim == 0:
-        at_layer = () if layer is None else (layer,)
-        if layer is not None:
-            k_new, v_new = k_new[:, :, None], v_new[:, :, None]
-        kv = (jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, *at_layer, 0, cache_index)),
-              jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, *at_layer, cache_index, 0)))
-        return kv, _read_cache(kv, layer)
+        return (jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, cache_index)),
+                jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, cache_index, 0)))
+    if cache_k.dtype == jnp.bfloat16 and attn.current_platform() == "cpu":
+        return _write_rows(cache_k, cache_v, k_new, v_new, cache_index)
     b, t = k_new.shape[0], k_new.shape[-1]
     rows = jnp.arange(b)[:, None]
     at = cache_index[:, None] + jnp.arange(t)[None, :]  # [B,T]
-    kv = (cache_k.at[rows, :, :, at].set(k_new.transpose(0, 3, 1, 2), mode="drop"),
-          cache_v.at[rows, :, at, :].set(v_new.transpose(0, 2, 1, 3), mode="drop"))
-    return kv, kv
+    return (cache_k.at[rows, :, :, at].set(k_new.transpose(0, 3, 1, 2), mode="drop"),
+            cache_v.at[rows, :, at, :].set(v_new.transpose(0, 2, 1, 3), mode="drop"))
 
 
-def _read_cache(kv: tuple[jax.Array, jax.Array], layer: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """This layer's keys [B,Hkv,D,S] and values [B,Hkv,S,D] (`layer`: sliced from the stacked cache)."""
-    if layer is None:
-        return kv
-    return tuple(jax.lax.dynamic_index_in_dim(a, layer, axis=2, keepdims=False) for a in kv)
+def _write_rows(cache_k: jax.Array, cache_v: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                cache_index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`_write_cache` at one position per row, one `dynamic_update_slice` per row: XLA:CPU runs a
+    bfloat16 scatter out of place in float32 (a float32 copy of the layer's cache per step). A row whose
+    position lies past the cache writes back what it holds (a slice's start is clamped, not dropped)."""
+    t, slots = k_new.shape[-1], cache_k.shape[-1]
+    for row in range(k_new.shape[0]):
+        at = jnp.minimum(cache_index[row], slots - t)
+        keep = cache_index[row] > slots - t
+        old_k = jax.lax.dynamic_slice(cache_k, (row, 0, 0, at), (1,) + k_new.shape[1:3] + (t,))
+        old_v = jax.lax.dynamic_slice(cache_v, (row, 0, at, 0), (1, v_new.shape[1], t, v_new.shape[3]))
+        new_k, new_v = jnp.where(keep, old_k, k_new[row:row + 1]), jnp.where(keep, old_v, v_new[row:row + 1])
+        cache_k = jax.lax.dynamic_update_slice(cache_k, new_k, (row, 0, 0, at))
+        cache_v = jax.lax.dynamic_update_slice(cache_v, new_v, (row, 0, at, 0))
+    return cache_k, cache_v
 
 
 class MLP(nnx.Module):
@@ -391,9 +365,9 @@ class Block(nnx.Module):
         self.mlp = MLP(config, rngs)
 
     def __call__(self, x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation: str,
-                 layer: jax.Array | None = None, emit_kv: bool = False):
+                 emit_kv: bool = False):
         h, kv = self.attn(self.input_norm(x), cos, sin, segment_ids, kv, cache_index, kv_start,
-                          implementation, layer, emit_kv)
+                          implementation, emit_kv)
         x = constrain_rows(x + h)
         x = constrain_rows(x + self.mlp(self.post_attn_norm(x)))
         return x, kv
@@ -491,18 +465,20 @@ class Transformer(nnx.Module):
         x, cache = run(x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation, sink)
         return constrain_rows(self.final_norm(x)), cache
 
-    def _unrolled_blocks(self, x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation, sink):
-        """The reference path: one block after the other, each with its own cache arrays."""
+    def _unrolled_blocks(self, x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation, sink,
+                         blocks=None):
+        """The reference path: one block after the other (``blocks``: the scanned layout's blocks sliced
+        from its stacked parameters; default this model's list), each with its own cache arrays."""
         emit = sink is not None
 
         def run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start):
-            return block(x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation, None, emit)
+            return block(x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation, emit)
 
         if self.config.remat != "none" and cache is None and not emit:  # only a differentiated pass needs it
             run_block = nnx.remat(run_block, policy=self.config.remat_policy)
         new_k, new_v = [], []
         into = None if sink is None else sink.into
-        for i, block in enumerate(self.layers):
+        for i, block in enumerate(self.layers if blocks is None else blocks):
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x, kv = run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start)
             if emit:
@@ -517,38 +493,25 @@ class Transformer(nnx.Module):
         return x, cache
 
     def _scan_blocks(self, x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation, sink):
-        """The scanned path: one `lax.scan` over the stacked block parameters. The hidden state and the
-        whole cache (viewed [B, Hkv, L, ...]) ride in the carry; layer i writes and reads its slice. With
-        a sink, its state rides in the carry instead and layer i's keys and values are written into it."""
+        """The scanned path: one `lax.scan` over the stacked block parameters for a pass without a cache;
+        generation (a cache or a sink) runs the blocks one after another from static slices of them over
+        the per-layer cache (see the module docstring)."""
         config = self.config
         graphdef, params = nnx.split(self.layers)
-        n, heads = config.num_layers, config.num_kv_heads
-        emit = sink is not None
+        if cache is not None or sink is not None:
+            blocks = (nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], params))
+                      for i in range(config.num_layers))
+            return self._unrolled_blocks(x, cos, sin, segment_ids, cache, cache_index, kv_start,
+                                         implementation, sink, blocks)
 
-        def body(carry, xs):
-            x, kv, into = carry
-            layer_params, i = xs
+        def body(x, layer_params):
             block = nnx.merge(graphdef, layer_params)
-            x, new = block(x, cos, sin, segment_ids, kv, cache_index, kv_start, implementation,
-                           None if kv is None else i, emit)
-            if emit:
-                return (x, kv, sink.write(into, i, *new)), None
-            return (x, new, into), None
+            return block(x, cos, sin, segment_ids, None, cache_index, kv_start, implementation)[0], None
 
-        if config.remat != "none" and cache is None and not emit:  # the policy applies to the scanned body
+        if config.remat != "none":  # the policy applies to the scanned body
             body = jax.checkpoint(body, policy=config.remat_policy, prevent_cse=False)
-        kv = None
-        if cache is not None:
-            (k,), (v,) = cache.k, cache.v
-            b, _, dim, slots = k.shape
-            kv = (k.reshape(b, heads, n, dim, slots), v.reshape(b, heads, n, slots, dim))
-        into = None if sink is None else sink.into
-        (x, kv, into), _ = jax.lax.scan(body, (x, kv, into), (params, jnp.arange(n, dtype=jnp.int32)))
-        if emit:
-            return x, into
-        if cache is not None:
-            cache = KVCache(k=(kv[0].reshape(k.shape),), v=(kv[1].reshape(v.shape),))
-        return x, cache
+        x, _ = jax.lax.scan(body, x, params)
+        return x, None
 
     def head_weight(self) -> jax.Array:
         """The output projection [H,V] in the compute dtype (the embedding transposed when tied)."""
@@ -581,15 +544,10 @@ def _check_call(config: ModelConfig, b: int, t: int, segment_ids, cache, cache_i
     if cache is not None:
         if cache_index is None:
             raise ValueError("cache_index is required when a cache is given")
-        layers = cache.num_layers(config.num_kv_heads)
+        layers = cache.num_layers
         if layers != config.num_layers or cache.batch_size != b:
             raise ValueError(
                 f"the cache has {layers} layers and {cache.batch_size} rows, "
                 f"expected {config.num_layers} layers and {b} rows"
             )
-        if len(cache.k) != (1 if config.scan_layers else config.num_layers):
-            want, have = ("stacked", "per-layer") if config.scan_layers else ("per-layer", "stacked")
-            raise ValueError(f"the cache holds {have} arrays but the model (scan_layers="
-                             f"{config.scan_layers}) needs {want} ones: build it with init_cache(config, "
-                             "...)")
 
