@@ -334,9 +334,11 @@ def _xla_cost(text: str) -> tuple[float, float]:
     return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
 
-def program_cost(hlo_text: str, platform: str = "tpu") -> ProgramCost:
+def program_cost(hlo_text: str, platform: str = "tpu", data_loop_trips: int = 1) -> ProgramCost:
     """The ``ProgramCost`` of an optimized HLO module's text (``compiled.as_text()``) from the compiler
-    of ``platform`` (``tpu``, ``gpu`` or ``cpu``)."""
+    of ``platform`` (``tpu``, ``gpu`` or ``cpu``), a loop that ends on data run ``data_loop_trips``
+    times (a decode chunk's steps: divide by them for a step that carries its share of the chunk's
+    entry and exit, e.g. a cache relaid out around the loop)."""
     module = Module.parse(hlo_text)
     loops: dict[str, list[tuple[str, int | None]]] = {}  # computation -> its while bodies, trip counts
     for name, instructions in module.computations.items():
@@ -366,7 +368,7 @@ def program_cost(hlo_text: str, platform: str = "tpu") -> ProgramCost:
     def total(computation: str) -> tuple[float, float]:
         flops, bytes_ = xla_of(computation)
         for body, n in (loop for c in inline(computation) for loop in loops.get(c, [])):
-            n = 1 if n is None else n  # a loop that ends on data: once, its own loops at their counts
+            n = data_loop_trips if n is None else n  # a loop that ends on data, its own loops at their counts
             body_flops, body_bytes = total(body)
             once_flops, once_bytes = xla_of(body)
             flops += n * body_flops - once_flops
@@ -375,7 +377,7 @@ def program_cost(hlo_text: str, platform: str = "tpu") -> ProgramCost:
 
     flops, bytes_ = total(module.entry)
     # custom calls: XLA counts no FLOPs for them; each is counted as often as its computation runs
-    runs = _runs(module, loops)
+    runs = _runs(module, loops, data_loop_trips)
     kernels: Counter[str] = Counter()
     for name, instructions in module.computations.items():
         shapes = {i.name: i.result for i in instructions}
@@ -406,8 +408,10 @@ def _in_place_scatter_excess(module: Module, fusion: Instruction, shapes: Mappin
     return max(2 * whole - touched, 0.0)
 
 
-def _runs(module: Module, loops: Mapping[str, list[tuple[str, int | None]]]) -> dict[str, float]:
-    """How many times each computation runs per run of the entry (loops ending on data: once)."""
+def _runs(module: Module, loops: Mapping[str, list[tuple[str, int | None]]],
+          data_loop_trips: int) -> dict[str, float]:
+    """How many times each computation runs per run of the entry (loops ending on data:
+    ``data_loop_trips``)."""
     runs: dict[str, float] = {module.entry: 1.0}
     pending = [module.entry]
     while pending:
@@ -416,7 +420,8 @@ def _runs(module: Module, loops: Mapping[str, list[tuple[str, int | None]]]) -> 
         for i in module.computations.get(name, []):
             for callee in _callees(i):
                 if callee in module.computations and callee not in runs:
-                    runs[callee] = runs[name] * (trips.get(callee) or 1 if callee in trips else 1)
+                    trip = (trips.get(callee) or data_loop_trips) if callee in trips else 1
+                    runs[callee] = runs[name] * trip
                     pending.append(callee)
     return runs
 

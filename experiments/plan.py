@@ -282,12 +282,14 @@ class ProgramMeasure:
         return self.argument + self.output - self.alias + self.temp
 
     @classmethod
-    def of(cls, compiled: Any, platform: str) -> ProgramMeasure:
+    def of(cls, compiled: Any, platform: str, steps: int = 1) -> ProgramMeasure:
+        """``steps``: the decode steps of one run of a program that loops until its rows are done (a decode
+        chunk); its FLOPs and bytes are those of one step with its share of the loop's entry and exit."""
         mem = compiled.memory_analysis()
-        cost = hlo_cost.program_cost(compiled.as_text(), platform)
+        cost = hlo_cost.program_cost(compiled.as_text(), platform, data_loop_trips=steps)
         return cls(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
-                   int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), cost.flops,
-                   cost.bytes_accessed, cost.kernels)
+                   int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes), cost.flops / steps,
+                   cost.bytes_accessed / steps, cost.kernels)
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "peak": self.peak}
@@ -358,7 +360,8 @@ def _measure(name: str, setup: Setup, depth: int, key: tuple, compile_fn: Any, l
     if full_key not in _COMPILED:
         started = time.perf_counter()
         log(f"compiling {name} on {setup.mesh.size} {device.device_kind} devices at {depth} layers {key} ...")
-        _COMPILED[full_key] = ProgramMeasure.of(compile_fn(), device.platform).as_dict()
+        steps = setup.cfg.rollout.engine_chunk if name == "decode" else 1
+        _COMPILED[full_key] = ProgramMeasure.of(compile_fn(), device.platform, steps).as_dict()
         seconds = time.perf_counter() - started
         log(f"  {name}: {_COMPILED[full_key]['peak'] / GB:,.2f} GB per device ({seconds:.0f} s)")
     return _COMPILED[full_key]

@@ -4,10 +4,12 @@
         [--prompt-len 64] [--new-tokens 64] [--path sampler] [--repeats 3] [--threads 0]
         [--out runs/benchmarks/decode_layout.json]
 
-``ModelConfig.scan_layers`` (the pretrained presets' default) runs the blocks under one ``lax.scan`` over
-stacked parameters, so a program's compile time does not grow with depth. Its decode step reads each
-layer's keys and values out of the stacked cache and writes the new slot in place, where the unrolled
-layout has one cache array per layer. This measures what that costs at run time. A random model
+``ModelConfig.scan_layers`` (the pretrained presets' default) stacks the blocks' parameters so that a pass
+without a cache (training, the log-prob recompute) runs them under one ``lax.scan``. Generation runs the
+blocks one after another from static slices of the stacked parameters over one cache array per layer,
+as the unrolled layout does (a cache stacked over layers was read through a copy of each layer's slice:
+0.3-0.5x the unrolled decode on the CPU and 0.455x on an H200 until then, docs/performance.md). This
+measures the two layouts' decode against each other. A random model
 (``--model`` preset, ``--layers`` deep, ``--vocab`` tokens) is built unrolled; the scanned layout gets
 the same weights stacked (``stack_layers``). ``--path sampler`` (``Sampler.generate``, one position for
 every row) or ``--path engine`` (a ``RolloutEngine`` with ``--batch`` slots, a position per row: the

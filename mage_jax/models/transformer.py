@@ -466,9 +466,11 @@ class Transformer(nnx.Module):
         return constrain_rows(self.final_norm(x)), cache
 
     def _unrolled_blocks(self, x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation, sink,
-                         blocks=None):
-        """The reference path: one block after the other (``blocks``: the scanned layout's blocks sliced
-        from its stacked parameters; default this model's list), each with its own cache arrays."""
+                         stacked=None):
+        """The reference path: one block after the other, each with its own cache arrays. ``stacked``
+        (graph, parameters) of a scanned model's blocks: block i is slice i of its parameters, taken once
+        the previous block's output exists (an optimization barrier ties them: without it XLA slices
+        every layer up front and keeps a converted copy of every block's weights alive at once)."""
         emit = sink is not None
 
         def run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start):
@@ -478,11 +480,16 @@ class Transformer(nnx.Module):
             run_block = nnx.remat(run_block, policy=self.config.remat_policy)
         new_k, new_v = [], []
         into = None if sink is None else sink.into
-        for i, block in enumerate(self.layers if blocks is None else blocks):
+        for i in range(self.config.num_layers):
+            if stacked is None:
+                block = self.layers[i]
+            else:
+                x, params = jax.lax.optimization_barrier((x, stacked[1]))
+                block = nnx.merge(stacked[0], jax.tree.map(lambda a, i=i: a[i], params))
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x, kv = run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start)
-            if emit:
-                into = sink.write(into, i, *kv)
+            if emit:  # written before the next block starts, so that this layer's keys and values die here
+                x, into = jax.lax.optimization_barrier((x, sink.write(into, i, *kv)))
             elif kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
@@ -499,10 +506,8 @@ class Transformer(nnx.Module):
         config = self.config
         graphdef, params = nnx.split(self.layers)
         if cache is not None or sink is not None:
-            blocks = (nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], params))
-                      for i in range(config.num_layers))
             return self._unrolled_blocks(x, cos, sin, segment_ids, cache, cache_index, kv_start,
-                                         implementation, sink, blocks)
+                                         implementation, sink, (graphdef, params))
 
         def body(x, layer_params):
             block = nnx.merge(graphdef, layer_params)

@@ -82,16 +82,12 @@ def test_cached_prefill_then_step_by_step_decoding_equals_full_forward(hf_checkp
     b, t = tokens.shape
     max_len, prefill = 16, 6
     cache = init_cache(model.config, b, max_len, jnp.float32)
-    if scan:  # one array each, the 2 layers folded into the 2 kv heads: [B, Hkv*L, D, S], [B, Hkv*L, S, D]
-        assert [a.shape for a in cache.k] == [(b, 4, 16, max_len)]
-        assert [a.shape for a in cache.v] == [(b, 4, max_len, 16)]
-    else:
-        assert [a.shape for a in cache.k] == [(b, 2, 16, max_len)] * 2  # per layer [B,Hkv,D,S]
-        assert [a.shape for a in cache.v] == [(b, 2, max_len, 16)] * 2  # per layer [B,Hkv,S,D]
+    assert [a.shape for a in cache.k] == [(b, 2, 16, max_len)] * 2  # per layer [B,Hkv,D,S], both layouts
+    assert [a.shape for a in cache.v] == [(b, 2, max_len, 16)] * 2  # per layer [B,Hkv,S,D]
     logits, cache = fill(state, tokens[:, :prefill], positions[:, :prefill], mask[:, :prefill], cache)
     expected = np.broadcast_to(np.arange(max_len) < prefill, (b, max_len))
     for layer in range(2):  # prefill wrote exactly slots 0..prefill-1 of every layer
-        for kv in map(np.asarray, cache.layer(layer, num_kv_heads=2)):
+        for kv in map(np.asarray, cache.layer(layer)):
             assert kv.shape == (b, max_len, 2, 16)
             np.testing.assert_array_equal(np.abs(kv).sum(axis=(2, 3)) > 0, expected)
     chunks = [np.asarray(logits)]
