@@ -468,9 +468,10 @@ class Transformer(nnx.Module):
     def _unrolled_blocks(self, x, cos, sin, segment_ids, cache, cache_index, kv_start, implementation, sink,
                          stacked=None):
         """The reference path: one block after the other, each with its own cache arrays. ``stacked``
-        (graph, parameters) of a scanned model's blocks: block i is slice i of its parameters, taken once
-        the previous block's output exists (an optimization barrier ties them: without it XLA slices
-        every layer up front and keeps a converted copy of every block's weights alive at once)."""
+        (graph, parameters) of a scanned model's blocks: block i is slice i of its parameters, tied to
+        the previous block's output by an optimization barrier so that a compiler which keeps barriers
+        does not slice every layer up front (XLA:CPU drops them and does: its generation programs hold
+        a copy of every block's weights, tests/generate/test_slots.py)."""
         emit = sink is not None
 
         def run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start):
@@ -488,7 +489,8 @@ class Transformer(nnx.Module):
                 block = nnx.merge(stacked[0], jax.tree.map(lambda a, i=i: a[i], params))
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x, kv = run_block(block, x, cos, sin, segment_ids, kv, cache_index, kv_start)
-            if emit:  # written before the next block starts, so that this layer's keys and values die here
+            if emit:  # written before the next block starts (a barrier), so that this layer's keys and values
+                # need not outlive it
                 x, into = jax.lax.optimization_barrier((x, sink.write(into, i, *kv)))
             elif kv is not None:
                 new_k.append(kv[0])

@@ -100,9 +100,10 @@ def test_a_decode_over_a_slot_bucket_leaves_the_other_slots_alone(tiny):
 
 
 def test_a_scanned_models_insert_holds_one_layers_prompt_keys_and_values_at_a_time():
-    # The prefill hands each layer's keys and values straight to the slots (a KV sink inside the scan):
-    # six more layers add nothing to the insert's temporaries. (A prefill into a temporary cache of every
-    # layer, copied afterwards, added 1.5 times the slots' cache growth here.)
+    # The prefill hands each layer's keys and values straight to the slots (a KV sink): six more layers
+    # add no prompt keys and values to the insert's temporaries. (A prefill into a temporary cache of
+    # every layer, copied afterwards, added 1.5 times the slots' cache growth here.) XLA:CPU slices every
+    # block's weights out of the stacked parameters up front (0.35 times the cache growth here).
     temp, cache = [], []
     for layers in (2, 8):
         config = ModelConfig.preset("tiny", vocab_size=VOCAB, num_layers=layers, hidden_size=64,
@@ -114,7 +115,7 @@ def test_a_scanned_models_insert_holds_one_layers_prompt_keys_and_values_at_a_ti
         insert = kernels.lower_insert(state, GREEDY, prompt_len=256).compile()
         temp.append(insert.memory_analysis().temp_size_in_bytes)
         cache.append(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(kernels.abstract_slots().cache)))
-    assert temp[1] - temp[0] < (cache[1] - cache[0]) / 4, (temp, cache)
+    assert temp[1] - temp[0] < (cache[1] - cache[0]) / 2, (temp, cache)
 
 
 def test_bad_inserts_are_one_clear_error(tiny):
