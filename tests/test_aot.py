@@ -30,3 +30,17 @@ def test_the_rollout_lowers_the_engines_insert_and_decode_or_the_lockstep_progra
         assert memory.alias_size_in_bytes >= cache_bytes  # and is donated: written in place
     (name,) = aot.lower_rollout(sampler, None, params, sampling)  # rollout.engine=lockstep
     assert name == "lockstep"
+
+
+def test_the_engine_builds_and_lowers_its_programs_without_device_work():
+    """Nothing is put on a device while the programs are built and lowered: a compile-only TPU or GPU
+    topology has no device to put it on (``experiments.plan --compiler target`` compiles there)."""
+    config = ModelConfig.preset("tiny", vocab_size=64, num_layers=1, hidden_size=32, intermediate_size=64)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    with jax.transfer_guard("disallow"):
+        sampler = Sampler(graphdef, config, eos_ids=[3], pad_id=0, prompt_buckets=(8, 16), batch_buckets=(4,))
+        engine = RolloutEngine(sampler, slots=4, max_new_tokens=6, chunk=2)
+        lowered = aot.lower_rollout(sampler, engine, state, sampling)
+        lockstep = aot.lower_rollout(sampler, None, state, sampling)
+    assert set(lowered) == {"insert", "decode"} and set(lockstep) == {"lockstep"}
