@@ -154,6 +154,9 @@ def compile_env(platform: str, environ: dict[str, str] | None = None) -> dict[st
         # libtpu asks for the slice it runs on; compiling for another one, it need not know.
         env.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
         env.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        # libtpu locks /tmp/libtpu_lockfile so that two processes do not share a TPU; compiling, there is
+        # none to share, and two plans (or a plan and a test) may compile at once.
+        env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     elif platform == "gpu":
         env["JAX_PLATFORMS"] = "cpu"

@@ -4,6 +4,8 @@ shapes, and the kernels a program calls."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -130,3 +132,14 @@ def test_library_kernels_are_counted_from_their_shapes():
         'bf16[16,1024,128]{2,1,0} custom-call(%m, %q, %k), custom_call_target="tpu_custom_call"'))
     assert hlo_cost.kernel_name(splash) == "tpu_custom_call:splash_mha_fwd_segmented_residuals"
     assert hlo_cost.custom_call_flops(splash, shapes) == 2 * 16 * 1024 * 1024 * 128 * 2 * 0.5
+
+
+
+def test_an_attribute_the_host_parser_rejects_is_dropped_and_the_program_still_counted():
+    # A GPU compiler's all-reduce-start carries output_to_operand_aliasing, which the CPU build's HLO
+    # parser does not take on that instruction: 8 x H100 programs failed to count until it was dropped.
+    text = _compiled(lambda x, w: jnp.tanh(x @ w), (N, N), (N, N))
+    marked = re.sub(r"( tanh\(%[^)]*\))", r"\1, output_to_operand_aliasing={{1}: (0, {})}", text, count=1)
+    assert marked != text
+    assert hlo_cost.program_cost(marked, "cpu") == hlo_cost.program_cost(text, "cpu")
+    assert hlo_cost.program_cost(text, "cpu").flops >= MATMUL

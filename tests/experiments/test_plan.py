@@ -45,11 +45,21 @@ def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     (["--env", "kuhn_poker"], "the following arguments are required: --preset"),
     (["--env", "kuhn_poker", "--preset", "paper", "--set", "optim.micro_batch_rows=7"],
      "optim.micro_batch_rows must be 0 or divide"),
+    (["--env", "kuhn_poker", "--preset", "tiny", "--topology", "v7x:2x2"], "--topology takes FAMILY:AxB[xC]"),
+    (["--env", "kuhn_poker", "--preset", "tiny", "--compiler", "gcc"], "argument --compiler: invalid choice"),
 ])
 def test_bad_arguments_are_one_error_line_and_exit_2(capsys, args, message):
     assert plan.main(args) == plan.EXIT_CONFIG_ERROR
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+@pytest.mark.skipif(plan.targets.compiler_installed("tpu"), reason="the TPU compiler is installed here")
+def test_a_target_compiler_that_is_not_installed_is_one_error_line_saying_how_to_get_it(capsys):
+    args = ["--env", "kuhn_poker", "--preset", "tiny", "--hardware", "tpu-v5e-1", "--compiler", "target"]
+    assert plan.main(args) == plan.EXIT_CONFIG_ERROR
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: tpu-v5e-1 needs the TPU compiler") and 'pip install "jax[tpu]"' in line
 
 
 def test_every_pretrained_preset_names_hardware_of_the_table():
@@ -159,9 +169,12 @@ def test_plan_of_the_tiny_preset_end_to_end():
     (p,) = out["plans"]
     assert p["devices"] == 2 and p["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
     assert set(p["programs"]) == set(plan.PROGRAMS)
+    assert p["compiler"]["platform"] == "cpu" and p["hardware"] == ["t4-16gb", "l4-24gb"]
     for q in p["programs"].values():
         assert q["peak"] == q["argument"] + q["output"] - q["alias"] + q["temp"]
         assert q["need"] == p["state"]["total"] + q["peak"] - q["state_arguments"] and q["flops"] > 0
+        assert q["bytes_accessed"] > 0 and isinstance(q["kernels"], dict)
+    assert p["programs"]["decode"]["ideal_bytes"] >= p["kv_cache"]
     assert p["peak"] == max(q["need"] for q in p["programs"].values())
     # KV cache: 2 (keys, values) x layers x rows per device x kv heads x head dim x slots x 4 bytes
     # (float32 activations); the tiny preset: 2 layers, 2 kv heads of 16, rows over the 2 devices.
@@ -175,6 +188,14 @@ def test_plan_of_the_tiny_preset_end_to_end():
     assert p["state"]["params"] == params * 4  # float32, replicated over the data axis
     assert p["state"]["opt_state"] >= 2 * p["state"]["params"]  # AdamW's two moments
     assert [(v["hardware"], v["fits"]) for v in out["verdicts"]] == [("t4-16gb", True), ("l4-24gb", True)]
+    for v in out["verdicts"]:  # predictions: rooflines of the compiler's figures at the hardware's rates
+        hw = plan.HARDWARE[v["hardware"]]
+        for name, q in p["programs"].items():
+            roofline = max(q["flops"] / hw.bf16_flops, q["bytes_accessed"] / hw.bandwidth)
+            assert v["roofline_seconds"][name] == roofline
+        assert v["iteration_seconds"] == sum(v["iteration_counts"][n] * v["roofline_seconds"][n]
+                                             for n in p["programs"])
+        assert set(v["goals"]) == set(plan.GOALS) and v["goals"]["train_flops_ratio"]["value"] > 0
 
 
 PRETRAINED = ("small", "small-lora", "paper")
