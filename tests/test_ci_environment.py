@@ -21,11 +21,10 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
-
-from mage_jax.tokenizer import Tokenizer
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from mage_jax.tokenizer import Tokenizer
 from tests.optional import EXTRAS, REQUIRE_VAR
 from tests.tiny_models import build_bpe_tokenizer
 

@@ -49,7 +49,8 @@ PRE_TOKENIZERS: dict[str, str | None] = {
     "default": None, "gpt-2": None, "gpt2": None,
     "smollm": "digits",  # GPT-2's split after every digit is cut off alone
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
 }
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types: special tokens, and added tokens matched whole
 
@@ -129,11 +130,13 @@ def _short(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def gguf_model_config(meta: Mapping[str, Any], tensor_names: Sequence[str], dtype: str = "float32") -> ModelConfig:
+def gguf_model_config(meta: Mapping[str, Any], tensor_names: Sequence[str],
+                      dtype: str = "float32") -> ModelConfig:
     """The `ModelConfig` a GGUF file's metadata describes (its `to_hf_config` is the folder's config.json)."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        raise GGUFError(f"GGUF architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(ARCHITECTURES)})")
 
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -173,7 +176,8 @@ def hf_tensor_names(config: ModelConfig) -> dict[str, str]:
         names["output.weight"] = "lm_head.weight"
     parts = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+             "ffn_norm": "post_attention_layernorm"}
     if config.qk_norm:
         parts.update(attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm")
     for i in range(config.num_layers):
@@ -234,7 +238,8 @@ def gguf_tokenizer(meta: Mapping[str, Any]) -> Any:
     if kind != "gpt2":
         raise GGUFError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
     if pre not in PRE_TOKENIZERS:
-        raise GGUFError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(PRE_TOKENIZERS)})")
+        raise GGUFError(f"GGUF pre-tokenizer {pre!r} is not supported "
+                        f"(supported: {', '.join(PRE_TOKENIZERS)})")
     tokens = list(meta.get("tokenizer.ggml.tokens") or ())
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or ()]
     if not tokens or not merges:

@@ -43,7 +43,8 @@ def llama_cpp_order(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, arch: str = "llama", *, tied: bool = True, pre: str = "smollm",
-               tokenizer_model: str = "gpt2", drop: str = "", extra: str = "", rope_scaling: str = "") -> dict:
+               tokenizer_model: str = "gpt2", drop: str = "", extra: str = "",
+               rope_scaling: str = "") -> dict:
     """A small GGUF file; returns the Hugging Face tensors (float32) it was made from."""
     gguf_pkg = require("gguf")
     from tokenizers import pre_tokenizers
@@ -56,9 +57,12 @@ def write_gguf(path: Path, arch: str = "llama", *, tied: bool = True, pre: str =
         hf["lm_head.weight"] = rng.normal(size=(len(vocab), HIDDEN))
     for i in range(LAYERS):
         layer = f"model.layers.{i}"
-        shapes = {"self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
-                  "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
-                  "mlp.gate_proj": (FFN, HIDDEN), "mlp.up_proj": (FFN, HIDDEN), "mlp.down_proj": (HIDDEN, FFN)}
+        shapes = {"self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN),
+                  "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+                  "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+                  "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
+                  "mlp.gate_proj": (FFN, HIDDEN), "mlp.up_proj": (FFN, HIDDEN),
+                  "mlp.down_proj": (HIDDEN, FFN)}
         for name, shape in shapes.items():
             hf[f"{layer}.{name}.weight"] = rng.normal(size=shape) / 4
         hf[f"{layer}.input_layernorm.weight"] = 1 + rng.normal(size=HIDDEN) / 10
@@ -96,7 +100,8 @@ def write_gguf(path: Path, arch: str = "llama", *, tied: bool = True, pre: str =
              "lm_head.weight": "output.weight"}
     parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     for name, array in hf.items():
         if name.startswith("model.layers."):
@@ -129,7 +134,8 @@ def _run_without_torch(*args: str) -> subprocess.CompletedProcess:
     code = ("import sys; sys.modules['torch'] = None\n"  # an import of torch raises ImportError
             "from experiments.convert_gguf import main\n"
             "status = main(sys.argv[1:])\n"
-            "assert not [m for m in sys.modules if m.split('.')[0] == 'torch' and sys.modules[m] is not None]\n"
+            "assert not [m for m in sys.modules\n"
+            "            if m.split('.')[0] == 'torch' and sys.modules[m] is not None]\n"
             "sys.exit(status)\n")
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
@@ -193,7 +199,7 @@ def test_bfloat16_output_rounds_every_weight_once(tmp_path):
     convert_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="bfloat16")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="numpy") as f:
-        assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
+        assert {f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118 (safe_open is no dict) == {"BF16"}
     model = load_hf_model(tmp_path / "out")
     np.testing.assert_allclose(np.asarray(model.embed.embedding.value), hf["model.embed_tokens.weight"],
                                rtol=2 ** -8)

@@ -51,7 +51,8 @@ def hf_model(smollm2_folder, gguf_file):
     import transformers
 
     folder, name = os.path.split(gguf_file)
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                             dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +115,13 @@ def test_the_converted_weights_are_transformers_dequantized_ones(smollm2_folder,
 
 
 def test_the_converted_tokenizer_encodes_as_transformers_reads_the_file(tokenizer, hf_tokenizer):
-    texts = (*PROMPTS, "You hold the King (K). Pot: 2 chips, 10 rounds, 2024.", "  tabs\tand\nnewlines héllo 東京",
+    texts = (*PROMPTS, "You hold the King (K). Pot: 2 chips, 10 rounds, 2024.",
+             "  tabs\tand\nnewlines héllo 東京",
              "<|im_start|>user\nhi<|im_end|>\n<action>BET</action>")
     for text in texts:
         assert tokenizer.backend.encode(text, add_special_tokens=False) == hf_tokenizer.encode(
             text, add_special_tokens=False), text
-    assert tokenizer.decode(hf_tokenizer.encode(texts[3], add_special_tokens=False)) == texts[3]
+    assert tokenizer.decode(hf_tokenizer.encode(texts[-2], add_special_tokens=False)) == texts[-2]
 
 
 def test_stop_and_special_tokens_are_read_from_the_folder(tokenizer, hf_tokenizer):
