@@ -280,12 +280,14 @@ class Trainer:
         raise Interrupted
 
     def _rows_progress(self, iteration: int) -> Callable[[RolloutProgress], None] | None:
-        """Progress inside the rollout of ``iteration`` on the bar: rows generated so far."""
+        """Progress inside the rollout of ``iteration`` on the bar: model turns (play turns and reflections)
+        and tokens generated so far, units that move while meta-episodes are still unfinished."""
         if not self.cfg.logging.progress:
             return None
 
         def report(progress: RolloutProgress) -> None:
-            self._bar.set_postfix_str(f"iteration {iteration}: rollout, {progress.rows} rows generated")
+            self._bar.set_postfix_str(f"iteration {iteration}: rollout, {progress.rows} turns, "
+                                      f"{progress.tokens:,} tokens generated")
 
         return report
 
@@ -415,7 +417,7 @@ class Trainer:
         total = cfg.train.iterations
         restore_signal = self._install_signals()
         bar = self._bar = progress_bar(total=total, desc="train", enabled=cfg.logging.progress,
-                                       initial=self.start_iteration)
+                                       initial=self.start_iteration, unit="iterations")
         last_eval: dict[str, SplitResult] | None = None
         iteration = self.start_iteration
         status = "finished"

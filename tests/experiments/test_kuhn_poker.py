@@ -274,6 +274,14 @@ def test_bad_config_is_one_error_line_nonzero_exit_and_nothing_written(tmp_path,
     assert not run_dir.exists()
 
 
+def test_a_key_in_the_wrong_section_is_one_line_naming_the_right_one(tmp_path, capsys):
+    assert kuhn_poker.main(["--set", "train.lr=1e-3", "--run-dir", str(tmp_path / "run")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: unknown config key 'train.lr'")
+    assert line.endswith("did you mean 'optim.lr'?")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_model_folder_with_nan_weights_is_one_error_line_naming_the_tensor(tiny_hf_model, tmp_path, capsys,
                                                                             smoke_args):
     import shutil

@@ -94,17 +94,20 @@ def test_a_kill_after_the_final_records_and_before_the_finish_mark_duplicates_no
     assert comparable(run_dir) == comparable(finished)
     assert samples(run_dir) == samples(finished)
     assert (run_dir / FINISHED_FILE).exists() and (run_dir / "summary.json").exists()
-    assert "rows generated" not in capsys.readouterr().err  # logging.progress false: no progress
+    assert "tokens generated" not in capsys.readouterr().err  # logging.progress false: no progress
 
 
-def test_resume_may_train_a_finished_run_further_and_change_cadences(finished, copy_of, capsys):
+def test_resume_may_train_a_finished_run_further_and_change_cadences(finished, copy_of, capsys, monkeypatch):
+    monkeypatch.setenv("MAGE_PROGRESS_SECONDS", "0")  # a progress line for every change, not every 30 s
     run_dir = copy_of(finished)
     argv = ["--run-dir", str(run_dir), "--resume", "--train.iterations", "3", "--checkpoint.keep", "1",
             "--logging.progress", "true"]
     capsys.readouterr()
     assert kuhn_poker.main(argv) == 0
     out, err = capsys.readouterr()
-    assert "iteration 3: rollout, 4 rows generated" in err  # progress inside the iteration
+    # stderr is no terminal here: plain lines, no bar redrawn with carriage returns
+    assert "\r" not in err and "train: 2/3 iterations (66%)" in err
+    assert "iteration 3: rollout, 4 turns, " in err and " tokens generated" in err  # inside the iteration
     assert "rollout_succ=" in err and "rollout_pay=" in err  # the bar's numbers name the training rollout
     # The bar ends on the state the table below measures, not on the last rollout's numbers.
     selected = json.loads((run_dir / "summary.json").read_text())["selected_iteration"]
