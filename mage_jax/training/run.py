@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from mage_jax.training.assemble import (
     make_checkpointer,
     make_logger,
 )
-from mage_jax.training.signals import install_stop_signals
+from mage_jax.training.signals import StopRequested, install_stop_signals
 from mage_jax.training.trainer import Trainer
 
 PROTOCOL_FILE = "experiment.json"
@@ -143,23 +144,48 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
         with contextlib.suppress(FileNotFoundError):  # a finished run trained further
             os.remove(os.path.join(run_dir, FINISHED_FILE))
     setup_seconds = time.perf_counter() - start
-    result = trainer.run()
-    if result.final is None:
-        return RunOutcome({"status": result.status, "iteration": result.iteration}, parts, trainer)
-    if cfg.logging.plots and is_main_process():
-        selection = (None if result.selected_iteration is None
-                     else Selection(logged_at=result.iteration, state_of=result.selected_iteration))
-        write_plots(run_dir, result.final, selection=selection)
-    summary = build_summary(
-        experiment=experiment or cfg.name, iterations=result.iteration, run_dir=run_dir,
-        model_config=parts.model_config, results=result.final, wall_seconds=time.perf_counter() - start,
-        setup_seconds=setup_seconds, compiled=compile_report.counter().snapshot() - compiled_before,
-        skipped_updates=result.skipped_updates, selected_iteration=result.selected_iteration,
-    )
-    if is_main_process():
-        write_summary(run_dir, summary)
-    _mark_finished(run_dir, result.iteration)
-    return RunOutcome(summary, parts, trainer)
+    stop = trainer.stop_event
+    restore_signals = install_stop_signals(stop)  # from the trainer's end to the report's: finish promptly
+    try:
+        result = trainer.run()
+        if result.final is None:
+            return RunOutcome({"status": result.status, "iteration": result.iteration}, parts, trainer)
+        # The results first (milliseconds), the plots last (seconds, more on a loaded machine): a stop
+        # request from here on never costs a result, and one during the plots abandons them at once.
+        summary = build_summary(
+            experiment=experiment or cfg.name, iterations=result.iteration, run_dir=run_dir,
+            model_config=parts.model_config, results=result.final, wall_seconds=time.perf_counter() - start,
+            setup_seconds=setup_seconds, compiled=compile_report.counter().snapshot() - compiled_before,
+            skipped_updates=result.skipped_updates, selected_iteration=result.selected_iteration,
+        )
+        if is_main_process():
+            write_summary(run_dir, summary)
+        _mark_finished(run_dir, result.iteration)
+        if cfg.logging.plots and is_main_process():
+            selection = (None if result.selected_iteration is None
+                         else Selection(logged_at=result.iteration, state_of=result.selected_iteration))
+            if not _plots_unless_stopped(stop, run_dir, result.final, selection):
+                print(f"stopped while drawing the plots: the run is finished ({run_dir}/summary.json is "
+                      "written), its plots were not all drawn", file=sys.stderr)
+        return RunOutcome(summary, parts, trainer)
+    finally:
+        restore_signals()
+
+
+def _plots_unless_stopped(stop: threading.Event, run_dir: str, results: Any, selection: Selection | None
+                          ) -> bool:
+    """Draw the run's plots unless a stop request came (before or while they are drawn: a signal then
+    abandons them at once); whether they were all drawn."""
+    restore = install_stop_signals(stop, interrupt=True)
+    try:
+        if stop.is_set():
+            return False
+        write_plots(run_dir, results, selection=selection)
+        return True
+    except StopRequested:
+        return False
+    finally:
+        restore()
 
 
 def evaluate(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, experiment: str | None = None,
@@ -181,22 +207,24 @@ def evaluate(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, e
     stop = threading.Event()  # SIGTERM / Ctrl-C: stop at the next turn, as training does
     restore_signals = install_stop_signals(stop)
     try:
-        results = evaluator.evaluate(parts.init_params if params is None else params,
-                                     host_random.key(cfg.train.seed) if key is None else key, heldout=True,
-                                     stop=stop)
-    except Interrupted:
-        raise EvaluationInterrupted(
-            f"interrupted: the evaluation stopped before it finished; {run_dir} holds its config.json and "
-            "experiment.json but no results (run the command again to evaluate)") from None
+        try:
+            results = evaluator.evaluate(parts.init_params if params is None else params,
+                                         host_random.key(cfg.train.seed) if key is None else key,
+                                         heldout=True, stop=stop)
+        except Interrupted:
+            raise EvaluationInterrupted(
+                f"interrupted: the evaluation stopped before it finished; {run_dir} holds its config.json "
+                "and experiment.json but no results (run the command again to evaluate)") from None
+        # Finished: a stop request from here on waits for the records and the summary (milliseconds).
+        with MetricsLogger(run_dir, config=C.to_dict(cfg)) as logger:
+            log_evaluation(logger, iteration, results)
+        summary = build_summary(
+            experiment=experiment or cfg.name, iterations=iteration, run_dir=run_dir,
+            model_config=parts.model_config, results=results, wall_seconds=time.perf_counter() - start,
+            compiled=compile_report.counter().snapshot() - compiled_before, **summary_fields,
+        )
+        if is_main_process():
+            write_summary(run_dir, summary)
     finally:
         restore_signals()
-    with MetricsLogger(run_dir, config=C.to_dict(cfg)) as logger:
-        log_evaluation(logger, iteration, results)
-    summary = build_summary(
-        experiment=experiment or cfg.name, iterations=iteration, run_dir=run_dir,
-        model_config=parts.model_config, results=results, wall_seconds=time.perf_counter() - start,
-        compiled=compile_report.counter().snapshot() - compiled_before, **summary_fields,
-    )
-    if is_main_process():
-        write_summary(run_dir, summary)
     return RunOutcome(summary, parts)
