@@ -22,8 +22,8 @@ started (nothing saved). docs/reliability.md lists every promise and the test be
 
 Resume: the saved config is the run's; only the keys of ``RESUMABLE_KEYS`` may change (anything else
 is one line, and nothing is rewritten; so is a ``config.json`` edited by hand since its checkpoint).
-A run marked finished (``finished.json``) is reported
-finished, unless ``--train.iterations`` asks for more.
+A run marked finished (``finished.json``) is reported finished, unless ``--train.iterations`` asks for
+more.
 """
 
 from __future__ import annotations
