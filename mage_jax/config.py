@@ -125,7 +125,14 @@ class EnvConfig:
     workers: int | None = None
     """Worker processes that step and reset the environments (``mage_jax.envs.workers``) while the policy
     decodes; 0: in the main process. None: the environment's default, ``min(8, CPUs)`` for the slow
-    ones (ALFWorld, WebShop) and 0 for the games. Results are the same for every value."""
+    ones (ALFWorld, WebShop) and 0 for the games. Results are the same for every value (actions,
+    rewards, updates, parameters, summary) but for the diagnostics read from the sampler's own
+    log-probabilities, ``entropy_play@k`` and ``entropy_reflect``: with workers, rows reach the rollout
+    engine at other times, share a prefill with other prompts and sit at other cache offsets, so a
+    token's sampling log-probability may differ in its last float32 bit (measured: one token in 48,
+    6e-8; ``entropy_play@1`` by 3e-8). The updates recompute every log-probability and never read
+    them. (In principle a draw within one rounding of a tie between two tokens could go the other way;
+    no run has shown it.)"""
     reply_timeout: float | None = None
     """Seconds an environment worker may hold operations without answering before the run stops with one
     error line naming the environment, meta-episode and operation (a hung environment, a stopped
