@@ -33,10 +33,12 @@ from mage_jax.rollout.stopping import Interrupted
 from mage_jax.training.assemble import (
     RunParts,
     build_parts,
+    checkpoint_dir,
     make_best_checkpointer,
     make_checkpointer,
     make_logger,
 )
+from mage_jax.training.checkpoint import Checkpointer
 from mage_jax.training.signals import StopRequested, install_stop_signals
 from mage_jax.training.trainer import Trainer
 
@@ -119,6 +121,20 @@ def _mark_finished(run_dir: str, iteration: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _checkpointers(cfg: C.ExperimentConfig, run_dir: str) -> tuple[Checkpointer, Checkpointer | None]:
+    """The run's checkpointer and best-state checkpointer; a folder the checks before the run could not
+    rule out (a path the file system refuses, e.g. under /proc) is one ConfigError."""
+    made: list[Checkpointer] = []
+    try:
+        made.append(make_checkpointer(cfg, run_dir))
+        return made[0], make_best_checkpointer(cfg, run_dir)
+    except OSError as err:
+        for checkpointer in made:
+            checkpointer.close()
+        raise C.ConfigError(f"checkpoint.dir {checkpoint_dir(cfg, run_dir)!r} cannot be used: "
+                            f"{err.strerror or err}") from None
+
+
 def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resume: bool = False,
           experiment: str | None = None) -> RunOutcome:
     """Train (or resume) the run of ``cfg``, evaluate it with ``protocol`` and report it."""
@@ -128,8 +144,7 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
     run_dir = _run_dir(cfg)
     with _nothing_left_on_error(run_dir):
         parts = build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)
-        checkpointer = make_checkpointer(cfg, run_dir)
-        best_checkpointer = make_best_checkpointer(cfg, run_dir)
+        checkpointer, best_checkpointer = _checkpointers(cfg, run_dir)
         logger = make_logger(cfg, run_dir, resume=resume)
         try:
             trainer = Trainer(parts, Evaluator(parts, protocol, progress=cfg.logging.progress), logger=logger,
