@@ -161,3 +161,39 @@ def test_environment_workers_change_no_result_but_the_sampling_log_prob_diagnost
     doc = next(info.doc for info in C.describe_keys() if info.key == "env.workers")
     assert all(name.rstrip("@") in doc for name in SAMPLING_LOGPROB_DIAGNOSTICS), doc
     assert not TIMING & set(ours[0])
+
+
+@pytest.mark.parametrize("command", ["kuhn_poker", "evaluate"])
+def test_ctrl_c_while_the_run_is_built_is_one_line_exit_130_and_leaves_nothing(tmp_path, capsys, smoke_args,
+                                                                              monkeypatch, command):
+    """Ctrl-C while the model and tokenizer are built (before the run's own handlers exist): one line, exit
+    130, and what the build wrote is removed (the same command can simply run again)."""
+    from experiments import evaluate
+    from mage_jax.training import run as run_module
+
+    def build_parts(cfg, run_dir, **kwargs):
+        os.makedirs(os.path.join(run_dir, "tokenizer"), exist_ok=True)  # something written already
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "build_parts", build_parts)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    if command == "kuhn_poker":
+        code = kuhn_poker.main([*smoke_args(), "--run-dir", str(out)])
+        line = "interrupted before the run started: nothing was saved"
+    else:
+        monkeypatch.setattr(evaluate, "build_parts", build_parts)
+        code = evaluate.main(["--checkpoint", str(_a_run_folder(tmp_path)), "--out", str(out)])
+        line = "interrupted before the evaluation started: nothing was evaluated or kept"
+    assert code == signals.EXIT_SECOND_INTERRUPT == 130
+    assert [x for x in capsys.readouterr().err.splitlines() if x.strip()] == [line]
+    assert not out.exists()
+
+
+def _a_run_folder(tmp_path):
+    """A folder with the config.json of a smoke run (all ``evaluate --checkpoint`` reads before building)."""
+    from tests.experiments.conftest import SMOKE
+
+    folder = tmp_path / "trained"
+    C.save(kuhn_poker.SPEC.config("tiny", SMOKE), str(folder))
+    return folder
