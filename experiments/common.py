@@ -302,13 +302,12 @@ def run_cli(
     """Parse, validate and run; every expected failure is one line on stderr and a documented exit
     status (the module docstring; docs/reliability.md), never a traceback.
 
-    A process of a multi-process run (``MAGE_DISTRIBUTED=1``, docs/scaling.md) joins it first. With
-    ``argv`` None the command line is the process's own: once the run has ended, a signal during the
-    interpreter's exit ends it at once (``signals.hold_until_exit``)."""
+    A process of a multi-process run (``MAGE_DISTRIBUTED=1``, docs/scaling.md) joins it first. In a
+    command's own process, once the run has ended, a signal during the interpreter's exit ends it at
+    once (``signals.hold_until_exit``)."""
     initialize_from_environment()
     code = _run_cli(argv, run, **parse_kwargs)
-    if argv is None:
-        hold_until_exit(code)
+    hold_until_exit(code)
     return code
 
 

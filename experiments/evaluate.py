@@ -124,11 +124,10 @@ def evaluate_zero_shot(model_path: str, *, env: str, method: str, preset: str, o
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command; with ``argv`` None (the process's own command line) a signal during the interpreter's
-    exit ends it at once (``signals.hold_until_exit``)."""
+    """The command; in its own process a signal during the interpreter's exit ends it at once
+    (``signals.hold_until_exit``)."""
     code = _main(list(sys.argv[1:] if argv is None else argv))
-    if argv is None:
-        hold_until_exit(code)
+    hold_until_exit(code)
     return code
 
 

@@ -159,8 +159,9 @@ def hold_until_exit(code: int) -> None:
     """For a command whose work has ended with exit status ``code``: from now until the process exits,
     SIGTERM and SIGINT end it at once with ``code`` (nothing is left to save; no traceback from whatever
     the interpreter's exit was running), except a Ctrl-C after a stop signal of the run, which is the
-    second one (130). The handlers stay: only the command's own process should call this."""
-    if threading.current_thread() is not threading.main_thread():
+    second one (130). The handlers stay, so this acts only in a command's own process
+    (``command_process``); elsewhere (tests, notebooks calling ``main``) it does nothing."""
+    if not _command[0] or threading.current_thread() is not threading.main_thread():
         return
 
     def handler(signum: int, frame: Any) -> None:
@@ -172,10 +173,15 @@ def hold_until_exit(code: int) -> None:
         signal.signal(sig, handler)
 
 
-def one_line_startup_interrupt() -> None:
-    """For a command's process, before its imports: an uncaught ``KeyboardInterrupt`` (a Ctrl-C while the
-    command starts, before it handles signals itself) prints one line instead of a traceback; the
-    interpreter then ends the process by SIGINT as usual (the shell's 130)."""
+_command = [False]
+
+
+def command_process() -> None:
+    """Mark this process as a command (``python -m experiments.<name>``; called by the ``experiments``
+    package before the command's imports): an uncaught ``KeyboardInterrupt`` (a Ctrl-C while the command
+    starts, before it handles signals itself) prints one line instead of a traceback, and the interpreter
+    then ends the process by SIGINT as usual (the shell's 130); ``hold_until_exit`` acts."""
+    _command[0] = True
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:

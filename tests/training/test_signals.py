@@ -137,6 +137,8 @@ def test_handlers_and_the_wakeup_fd_are_put_back():
     assert {sig: signal.getsignal(sig) for sig in signals.STOP_SIGNALS} == before
     assert signal.set_wakeup_fd(-1) == -1
     assert not any(t.name == "stop-signal-counter" for t in threading.enumerate())
+    signals.hold_until_exit(0)  # not a command's process (a test, a notebook): nothing changes
+    assert {sig: signal.getsignal(sig) for sig in signals.STOP_SIGNALS} == before
 
 
 EXITING = """
@@ -156,6 +158,7 @@ EXITING = """
         print("exit finished", flush=True)
 
     atexit.register(slow_exit)
+    signals.command_process()  # what ``python -m experiments.<name>`` marks
     signals.hold_until_exit({code})
     sys.exit({code})
 """
