@@ -321,22 +321,44 @@ def _run_cli(argv: Sequence[str] | None, run: Callable[[C.ExperimentConfig, RunO
         cfg, options = parsed
         compilation_cache.enable(cfg.compile.cache_dir)
         result = run(cfg, options)
-    except C.ConfigError as err:  # also problems only visible once parts are built (e.g. mesh vs devices)
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    except TrainingStopped as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_TRAINING_STOPPED
-    except EnvWorkerError as err:
-        print(f"error: {err}{_resume_hint(options, parse_kwargs)}", file=sys.stderr)
-        return EXIT_ENVIRONMENT_FAILED
-    except EvaluationInterrupted as err:
+    except EXPECTED_FAILURES as err:  # ConfigError: also problems only visible once parts are built
+        return failure_exit(err, hint=_resume_hint(options, parse_kwargs) if isinstance(err, EnvWorkerError)
+                            else "")
+    return int(result) if isinstance(result, int) else 0
+
+
+EXPECTED_FAILURES = (C.ConfigError, TrainingStopped, EnvWorkerError, EvaluationInterrupted, KeyboardInterrupt)
+"""What a command reports in one line with its exit status (``failure_exit``) instead of a traceback."""
+
+
+def failure_exit(err: BaseException, *, hint: str = "",
+                 interrupted: str = "interrupted before the run started: nothing was saved") -> int:
+    """Print the one line of an expected failure (``EXPECTED_FAILURES``) and return its exit status:
+    ConfigError 2, TrainingStopped 3, EnvWorkerError 4 (``hint``: how to continue), an interrupted
+    evaluation 75, a Ctrl-C before any handler of the run was set 130 (the line ``interrupted``)."""
+    if isinstance(err, KeyboardInterrupt):
+        print(interrupted, file=sys.stderr)
+        return EXIT_SECOND_INTERRUPT
+    if isinstance(err, EvaluationInterrupted):
         print(err, file=sys.stderr)
         return EXIT_INTERRUPTED
-    except KeyboardInterrupt:  # Ctrl-C before the run's own handlers: while it was being built
-        print("interrupted before the run started: nothing was saved", file=sys.stderr)
-        return EXIT_SECOND_INTERRUPT
-    return int(result) if isinstance(result, int) else 0
+    code = {C.ConfigError: EXIT_CONFIG_ERROR, TrainingStopped: EXIT_TRAINING_STOPPED,
+            EnvWorkerError: EXIT_ENVIRONMENT_FAILED}
+    print(f"error: {err}{hint}", file=sys.stderr)
+    return next(c for kind, c in code.items() if isinstance(err, kind))
+
+
+def run_command(body: Callable[[], int], *,
+                interrupted: str = "interrupted: stopped at once; finished runs are kept") -> int:
+    """A command that is not one run (``table1``, the ablations): ``body``'s status, every expected
+    failure one line (``failure_exit``), and in the command's own process a signal during its exit ends
+    it at once (``signals.hold_until_exit``)."""
+    try:
+        code = body()
+    except EXPECTED_FAILURES as err:
+        code = failure_exit(err, interrupted=interrupted)
+    hold_until_exit(code)
+    return code
 
 
 def _resume_hint(options: RunOptions | None, parse_kwargs: Mapping[str, Any]) -> str:
