@@ -128,18 +128,18 @@ def install_stop_signals(stop: threading.Event, *, interrupt: bool = False) -> C
     elif stop_signalled():
         stop.set()
     _count.depth += 1
+    restored: list[bool] = []
 
     def handler(signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and _count.by_handler:
             _exit_now()
         _count.by_handler = True
         stop.set()
-        if interrupt:
+        if interrupt and not restored:  # never from inside ``restore`` (the caller's handling is over)
             raise StopRequested
 
     for sig in previous:
         signal.signal(sig, handler)
-    restored = []
 
     def restore() -> None:
         if restored:
