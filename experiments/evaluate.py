@@ -23,7 +23,8 @@ picks the scale (``small-cpu``: a 135M-0.6B model on a CPU, constrained actions,
 Evaluation keys of the config may be overridden as usual (``--train.eval_meta_episodes 512``,
 ``--sampling.eval.temperature 0.7``); any problem is one ``error:`` line and exit status 2.
 SIGTERM or Ctrl-C stops the evaluation at its next turn with one line saying what the output folder
-holds (exit status 75, no traceback); a second Ctrl-C exits at once (130).
+holds (exit status 75, no traceback); a second Ctrl-C exits at once (130), as does a Ctrl-C while the
+evaluation is built; an environment that fails is one ``error:`` line (4). docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from experiments.baselines import method as get_method
 from experiments.baselines import method_config, method_protocol
 from experiments.common import (
     EXIT_CONFIG_ERROR,
+    EXIT_ENVIRONMENT_FAILED,
     EXIT_INTERRUPTED,
     ConfigErrorParser,
     format_keys,
@@ -48,12 +50,14 @@ from experiments.common import (
 from experiments.environments import environment
 from mage_jax import compilation_cache, host_random
 from mage_jax import config as C
+from mage_jax.envs.workers import EnvWorkerError
 from mage_jax.evaluation.evaluator import EvalProtocol
 from mage_jax.evaluation.report import results_table
 from mage_jax.models.hub import resolve_model_path
 from mage_jax.training.assemble import best_checkpoint_dir, build_parts, checkpoint_dir, evaluation_key
 from mage_jax.training.checkpoint import key_from_json
 from mage_jax.training.run import EvaluationInterrupted, RunOutcome, evaluate
+from mage_jax.training.signals import EXIT_SECOND_INTERRUPT, hold_until_exit
 
 ZERO_SHOT_METHODS = ("react", "reflexion")
 
@@ -120,7 +124,14 @@ def evaluate_zero_shot(model_path: str, *, env: str, method: str, preset: str, o
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The command; in its own process a signal during the interpreter's exit ends it at once
+    (``signals.hold_until_exit``)."""
+    code = _main(list(sys.argv[1:] if argv is None else argv))
+    hold_until_exit(code)
+    return code
+
+
+def _main(argv: list[str]) -> int:
     try:
         dotted, rest = split_dotted(argv)
         if "--list-keys" in rest:
@@ -144,12 +155,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except C.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except EnvWorkerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_ENVIRONMENT_FAILED
     except EvaluationInterrupted as err:
         print(err, file=sys.stderr)
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:  # Ctrl-C while the model loads, before the evaluation's own handlers are set
-        print("interrupted while building the evaluation: nothing was evaluated or kept", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        print("interrupted before the evaluation started: nothing was evaluated or kept", file=sys.stderr)
+        return EXIT_SECOND_INTERRUPT
     print(results_table(outcome.summary, environment(outcome.parts.cfg.env.name).titles))
     return 0
 

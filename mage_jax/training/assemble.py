@@ -135,7 +135,8 @@ def _env_runner(cfg: C.ExperimentConfig, config: RunnerConfig) -> MetaEpisodeRun
     """A runner of ``cfg``'s environment; bad environment options or missing data are one ConfigError."""
     try:
         workers = default_workers(cfg.env.name) if cfg.env.workers is None else cfg.env.workers
-        return MetaEpisodeRunner(cfg.env.name, env_options(cfg), config, workers=workers)
+        return MetaEpisodeRunner(cfg.env.name, env_options(cfg), config, workers=workers,
+                                 reply_timeout=cfg.env.reply_timeout)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:  # ImportError: an optional package
         raise C.ConfigError(f"env {cfg.env.name}: {err}") from None
 

@@ -144,6 +144,7 @@ class Trainer:
         """``self.state`` was left mid-update by a stop request; the iteration's start is on disk."""
         if resume and self.checkpointer.latest_step() is not None:
             self.state, meta = self.checkpointer.restore(self.state)
+            self._check_same_run(meta)
             self.start_iteration = int(meta["iteration"])
             self.base_key = key_from_json(meta["rng"])
             self.skipped_updates = int(meta.get("skipped_updates", 0))
@@ -163,6 +164,27 @@ class Trainer:
             # The final evaluation, or an abandoned one, reruns: its records of this iteration go.
             reruns_evaluation = self.start_iteration >= cfg.train.iterations or self.pending_evaluation
             logger.rewind(self.start_iteration, keep_evaluations=not reruns_evaluation)
+
+    def _check_same_run(self, meta: dict[str, Any]) -> None:
+        """A resumed run goes on as the run its checkpoint was trained as: a ``config.json`` edited since
+        (outside ``config.RESUMABLE_KEYS``) would silently continue as another run, so it is one
+        ConfigError before anything is rewritten."""
+        if not meta.get("config"):
+            return
+        try:
+            changed = C.resume_changes(meta["config"], self.cfg)
+        except (C.ConfigError, TypeError, ValueError):  # a meta of another version: nothing to compare
+            return
+        if not changed:
+            return
+        key, before, after = changed[0]
+        more = f" (and {len(changed) - 1} more keys)" if len(changed) > 1 else ""
+        raise C.ConfigError(
+            f"{self.run_dir}/{C.CONFIG_FILE} says {key}={after!r}, but its checkpoint of iteration "
+            f"{meta.get('iteration')} was trained with {before!r}{more}: the config was edited after the run "
+            f"started; put {key} back to resume (a resumed run may change only "
+            f"{', '.join(k.rstrip('.') for k in C.RESUMABLE_KEYS)}), or start a new run with another "
+            "--run-dir")
 
     # -- one iteration ---------------------------------------------------------------------------------
     def train_iteration(self, iteration: int) -> dict[str, float]:
@@ -405,6 +427,11 @@ class Trainer:
     def _install_signals(self) -> Callable[[], None]:
         """SIGTERM and SIGINT request a stop at the next safe point; a second SIGINT exits at once."""
         return install_stop_signals(self._stop)
+
+    @property
+    def stop_event(self) -> threading.Event:
+        """The stop request: set by SIGTERM / SIGINT (while ``run`` runs) or ``request_stop``."""
+        return self._stop
 
     def request_stop(self) -> None:
         """Stop at the next safe point, save a checkpoint and return (what SIGTERM and SIGINT do)."""

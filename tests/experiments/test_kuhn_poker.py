@@ -262,6 +262,12 @@ def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):
         (["--set", "rollout.batch_size=30"],
          "error: rollout.group_size 4 does not divide rollout.batch_size 30"),
         (["--optim.lrr", "1"], "error: unknown config key 'optim.lrr'"),
+        (["--train.seed", "-1"], "error: train.seed must be an integer in [0, 2**32) (got -1)"),
+        (["--train.seed", str(2**32)], "error: train.seed must be an integer in [0, 2**32)"),  # JAX: seed 0
+        (["--checkpoint.dir", "/dev/null/ckpt"],
+         "error: checkpoint.dir '/dev/null/ckpt' cannot be created: '/dev/null' is a file"),
+        (["--checkpoint.dir", "/dev/null"], "error: checkpoint.dir '/dev/null' is a file, not a folder"),
+        (["--checkpoint.dir", "/proc/ckpt"], "error: checkpoint.dir '/proc/ckpt' cannot be"),  # used, written
         (["--preset", "small"], "error: preset 'small' loads a pretrained model"),
         (["--preset", "paper", "--model-path", "/nonexistent/qwen"], "error: model.path '/nonexistent/qwen'"),
     ],

@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from experiments import evaluate, kuhn_poker
+from experiments.common import parse_command_line
 from mage_jax.logging import read_jsonl
 from mage_jax.training.run import FINISHED_FILE
 from tests.experiments.conftest import comparable
@@ -71,6 +72,37 @@ def test_resume_refuses_a_change_of_the_runs_own_settings_in_one_line_and_rewrit
     assert len(err) == 1 and err[0].startswith(f"error: --resume cannot change {key}")
     assert "train.iterations" in err[0]  # names what may change
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == files
+
+
+@pytest.mark.parametrize("key, value", [("optim.lr", 0.5), ("rollout.num_tasks", 3)])
+def test_resuming_a_run_whose_config_was_edited_since_its_checkpoint_is_one_line_and_rewrites_nothing(
+        finished, copy_of, capsys, key, value):
+    """Editing the run's config.json by hand and resuming would continue silently as another run: the
+    checkpoint's own record of the config tells, and the resume is refused before anything is written."""
+    run_dir = copy_of(finished)
+    config = json.loads((run_dir / "config.json").read_text())
+    section, name = key.split(".")
+    saved, config[section][name] = config[section][name], value
+    (run_dir / "config.json").write_text(json.dumps(config))
+    files = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume", "--train.iterations", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: {run_dir}/config.json says {key}={value!r}, but its checkpoint of "
+                             f"iteration 2 was trained with {saved!r}"), err
+    assert f"put {key} back to resume" in err[0]
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == files
+
+
+def test_resume_may_change_how_environments_are_stepped(finished):
+    """Worker processes give the same results (docs/reliability.md), so a run stopped by a failing
+    worker may go on in process, or with a longer reply deadline."""
+    parsed = parse_command_line(["--run-dir", str(finished), "--resume", "--train.iterations", "3",
+                                 "--env.workers", "0", "--env.reply_timeout", "900"],
+                                experiment="kuhn_poker", presets=kuhn_poker.PRESETS, default_preset="tiny")
+    cfg, options = parsed
+    assert options.resume and cfg.env.workers == 0 and cfg.env.reply_timeout == 900.0
 
 
 def test_samples_of_what_the_model_wrote_are_logged_per_evaluation_and_every_k_iterations(finished):
