@@ -80,6 +80,8 @@ def advantage_config(cfg: C.ExperimentConfig) -> AdvantageConfig:
         invalid_penalty=a.invalid_penalty,
         length_penalty=a.length_penalty,
         max_response_length=cfg.rollout.max_response_tokens if a.length_penalty > 0 else None,
+        # A reflect row is measured against the limit it was generated under (docs/method.md §4).
+        max_reflection_length=cfg.rollout.reflection_tokens if a.length_penalty > 0 else None,
     )
 
 
