@@ -90,7 +90,7 @@ def step_config(cfg: C.ExperimentConfig) -> StepConfig:
     return StepConfig(
         clip_eps=o.clip_eps, dual_clip=o.dual_clip, entropy_coef=o.entropy_coef, kl_coef=o.kl_coef,
         kl_kind=o.kl_kind, aggregation=o.aggregation, chunk_size=o.logprob_chunk,
-        constraint_len=constraint_length(cfg),
+        constraint_len=constraint_length(cfg), response_len=cfg.rollout.max_new_tokens,
         micro_batch_rows=o.micro_batch_rows, adapters_only=cfg.model.lora_rank > 0,
         max_update_ratio=o.max_update_ratio,
     )
