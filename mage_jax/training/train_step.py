@@ -60,8 +60,10 @@ class TrainBatch:
 
     Token arrays are ``[R, T]`` in the ``PackedBatch`` layout; ``prompt_lengths`` and ``advantages``
     are ``[R]``; ``old_logprobs`` / ``ref_logprobs`` ``[R, T]`` (the update needs them, the recompute
-    does not); ``transitions`` ``int32[R, S, V]`` is each row's constraint automaton (None: no row of
-    the batch was constrained). Padding rows are fully masked.
+    does not; an update without ``old_logprobs`` takes log pi_old from its own forward pass, which is
+    the recompute's value when the state has not moved since, i.e. an iteration's only update);
+    ``transitions`` ``int32[R, S, V]`` is each row's constraint automaton (None: no row of the batch was
+    constrained). Padding rows are fully masked.
     """
 
     tokens: Any
@@ -496,8 +498,11 @@ class TrainStep:
 
         def loss_fn(trainable):
             logp, entropy = self._token_logprobs(self._join(trainable, frozen), batch)
+            # No old log-probs: the state the rows are scored with is the one they were recomputed for
+            # (the iteration's single update), so log pi_old is this forward's value, held constant.
+            old = jax.lax.stop_gradient(logp) if batch.old_logprobs is None else batch.old_logprobs
             pg_loss, pg_metrics = losses.ppo_loss(
-                logp, batch.old_logprobs, batch.advantages, mask,
+                logp, old, batch.advantages, mask,
                 clip_eps=cfg.clip_eps, dual_clip=cfg.dual_clip, agg_mode=cfg.aggregation,
             )
             entropy_term = losses.aggregate(entropy, mask, cfg.aggregation)

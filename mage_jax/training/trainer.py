@@ -206,7 +206,10 @@ class Trainer:
         # Old (and reference) log-probs of every real row, before any update of this iteration; they stay
         # on the host (tens of GB at the paper's lengths) and each mini-batch takes its rows from them.
         t1 = time.perf_counter()
-        old = np.zeros(packed.tokens.shape, np.float32)
+        # One epoch of one mini-batch: its update starts from the state the rows would be recomputed with,
+        # so it takes log pi_old from its own forward pass instead of a recompute (the same values).
+        single_update = cfg.optim.epochs == 1 and n <= mb
+        old = None if single_update else np.zeros(packed.tokens.shape, np.float32)
         ref = np.zeros(packed.tokens.shape, np.float32) if self.use_reference else None
         micro = cfg.optim.micro_batch_rows
         for idx in minibatch_indices(n, mb, permutation=np.argsort(row_lengths, kind="stable")):
@@ -215,8 +218,9 @@ class Trainer:
             idx = fill_micro_batches(idx, micro)  # padding-only micro-batches are skipped
             placed = self.step.place_batch(batch(idx))
             real = idx >= 0
-            old[idx[real], :placed.length] = to_host(
-                self.step.compute_logprobs(self.state.params, placed))[real]
+            if old is not None:
+                old[idx[real], :placed.length] = to_host(
+                    self.step.compute_logprobs(self.state.params, placed))[real]
             if ref is not None:
                 ref[idx[real], :placed.length] = to_host(self._reference_logprobs(placed))[real]
 
@@ -242,7 +246,7 @@ class Trainer:
                 idx = fill_micro_batches(idx, micro)
                 rows = batch(idx, advantages)
                 placed = self.step.place_batch(rows.replace(
-                    old_logprobs=gather_rows(old, idx, rows.length),
+                    old_logprobs=None if old is None else gather_rows(old, idx, rows.length),
                     ref_logprobs=None if ref is None else gather_rows(ref, idx, rows.length),
                 ))
                 self.state, metrics = self.step.update(self.state, placed, lr_scale,

@@ -454,3 +454,30 @@ def test_real_rows_fill_the_first_micro_batches_and_padding_the_last():
     assert parts.tolist() == [[5, 2], [7, -1], [-1, -1], [-1, -1]]
     assert sorted(index.tolist()) == sorted([5, 2, 7, -1, -1, -1, -1, -1])
     assert fill_micro_batches(np.array([1, 0, -1]), 0).tolist() == [1, 0, -1]  # no micro-batches: as given
+
+
+def test_an_update_without_old_logprobs_uses_its_own_forward_pass_as_the_recompute(model):
+    """An iteration's only update: log pi_old taken from the update's forward pass (held constant) gives
+    the gradients and metrics of the update given the recomputed old log-probs."""
+    _, mesh, graphdef, params = model
+    b = micro_batch_rows_batch()
+    config = StepConfig(chunk_size=5, kl_coef=0.1, entropy_coef=0.01, response_len=5)
+    step = shared_train_step(graphdef, *sgd(1.0), config, mesh)
+    state = step.init_state(jax.device_put(params, may_alias=False))
+    grads_program, _ = step.update_programs(step.state_shardings(state))
+
+    def run(batch):
+        with jax.set_mesh(mesh):
+            grads, metrics = grads_program(state.params, step.place_batch(TrainBatch(**batch)))
+        return jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
+
+    b.pop("old_logprobs")
+    fused_grads, fused = run(b)
+    recomputed = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
+    given_grads, given = run({**b, "old_logprobs": recomputed})
+    assert fused["approx_kl"] == 0.0 and fused["clip_fraction"] == 0.0
+    for name in given:
+        assert fused[name] == pytest.approx(given[name], rel=1e-5, abs=1e-6), name
+    for a, c in zip(jax.tree.leaves(given_grads), jax.tree.leaves(fused_grads), strict=True):
+        np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-6)
+    assert any(np.abs(a).max() > 0 for a in jax.tree.leaves(fused_grads))
