@@ -200,7 +200,7 @@ def results_table(summary: Mapping[str, Any], titles: Mapping[str, str] | None =
         if len(metrics.get("by_opponent", {})) > 1:
             for name, sub in metrics["by_opponent"].items():
                 groups.append((name, sub, (ref.get("by_opponent") or {}).get(name) or {}))
-        lines.append(f"{'opponent':<14}{'k':>2}  {'success ± se':>13}{'draw':>8}{'payoff ± se':>15}"
+        lines.append(f"{'opponent':<14}{'k':>2}  {'success±se':>13}{'draw':>8}{'payoff±se':>15}"
                      f"{'valid':>7}   |  "
                      f"reference: {'rnd succ':>8}{'ceiling':>8}{'fix:win':>8}"
                      f"{'rnd pay':>9}{'fix:pay':>9}{'bound':>9}")
