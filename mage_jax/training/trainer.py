@@ -74,7 +74,7 @@ from mage_jax.rollout.stopping import Interrupted
 from mage_jax.training.assemble import RunParts, advantage_config, evaluation_key, row_length_buckets
 from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
 from mage_jax.training.signals import install_stop_signals
-from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows
+from mage_jax.training.train_step import TrainBatch, all_finite, fill_micro_batches, gather_rows
 
 ADVANTAGE_ROWS = 512
 """The smallest row count the advantage estimator runs at (padding rows are masked)."""
@@ -209,6 +209,8 @@ class Trainer:
         packed = pack_rows(result.rows, row_bucket=mb, length_buckets=buckets, pad_id=parts.tokenizer.pad_id)
         n = packed.num_rows
         row_lengths = (packed.prompt_lengths + packed.response_lengths)[:n]
+        if n and int(packed.response_lengths[:n].max()) > cfg.rollout.max_new_tokens:  # the head span
+            raise ValueError("a response is longer than rollout.max_new_tokens")
 
         def batch(idx: np.ndarray, advantages: np.ndarray | None = None) -> TrainBatch:
             """Rows ``idx`` cut to the token length bucket the longest of them needs."""
@@ -226,17 +228,23 @@ class Trainer:
         # Old (and reference) log-probs of every real row, before any update of this iteration; they stay
         # on the host (tens of GB at the paper's lengths) and each mini-batch takes its rows from them.
         t1 = time.perf_counter()
-        old = np.zeros(packed.tokens.shape, np.float32)
+        # One epoch of one mini-batch: its update starts from the state the rows would be recomputed with,
+        # so it takes log pi_old from its own forward pass instead of a recompute (the same values).
+        single_update = cfg.optim.epochs == 1 and n <= mb
+        old = None if single_update else np.zeros(packed.tokens.shape, np.float32)
         ref = np.zeros(packed.tokens.shape, np.float32) if self.use_reference else None
+        micro = cfg.optim.micro_batch_rows
         for idx in minibatch_indices(n, mb, permutation=np.argsort(row_lengths, kind="stable")):
             if self._stop.is_set():  # a safe point: the parameters are still the last iteration's
                 raise Interrupted
+            idx = fill_micro_batches(idx, micro)  # padding-only micro-batches are skipped
             placed = self.step.place_batch(batch(idx))
-            real = idx[idx >= 0]
-            old[real, :placed.length] = to_host(
-                self.step.compute_logprobs(self.state.params, placed))[:len(real)]
+            real = idx >= 0
+            if old is not None:
+                old[idx[real], :placed.length] = to_host(
+                    self.step.compute_logprobs(self.state.params, placed))[real]
             if ref is not None:
-                ref[real, :placed.length] = to_host(self._reference_logprobs(placed))[:len(real)]
+                ref[idx[real], :placed.length] = to_host(self._reference_logprobs(placed))[real]
 
         # PPO epochs over shuffled mini-batches, a safe point between any two: the state the iteration
         # started from is kept (its first update does not donate it) unless it is on disk already.
@@ -257,9 +265,10 @@ class Trainer:
             for idx in blocks:
                 if stoppable and self._stop.is_set():
                     self._abandon_updates(start_state if keep_start else None)
+                idx = fill_micro_batches(idx, micro)
                 rows = batch(idx, advantages)
                 placed = self.step.place_batch(rows.replace(
-                    old_logprobs=gather_rows(old, idx, rows.length),
+                    old_logprobs=None if old is None else gather_rows(old, idx, rows.length),
                     ref_logprobs=None if ref is None else gather_rows(ref, idx, rows.length),
                 ))
                 self.state, metrics = self.step.update(self.state, placed, lr_scale,

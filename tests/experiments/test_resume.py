@@ -148,7 +148,7 @@ def test_resume_may_train_a_finished_run_further_and_change_cadences(finished, c
     assert "rollout_" not in last_bar
     table = out.splitlines()
     header = next(line for line in table if line.startswith("opponent"))
-    assert header.split()[:6] == ["opponent", "k", "success", "draw", "payoff", "valid"]
+    assert header.split()[:6] == ["opponent", "k", "success±se", "draw", "payoff±se", "valid"]
     assert table[table.index(header) + 1].split()[5] == "100%"  # constrained decoding: every action legal
     assert records(run_dir) == [("train", 1), ("train", 2), ("validation", 2), ("eval", 2), ("heldout", 2),
                                 ("train", 3), ("validation", 3), ("eval", 3), ("heldout", 3)]
