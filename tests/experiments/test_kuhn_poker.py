@@ -9,6 +9,7 @@ import signal
 import time
 import types
 
+import jax
 import pytest
 
 from experiments import evaluate, kuhn_poker
@@ -34,6 +35,7 @@ def finished_run(tmp_path_factory, request):
 
     run_dir = tmp_path_factory.mktemp("kuhn") / "run"
     args = _smoke_args({**RUN, "logging.plots": True})
+    jax.clear_caches()  # the compile report counts this run's programs, not what earlier tests left in memory
     code = kuhn_poker.main([*args, "--run-dir", str(run_dir)])
     return code, run_dir, args
 
