@@ -44,3 +44,24 @@ def test_the_engine_builds_and_lowers_its_programs_without_device_work():
         lowered = aot.lower_rollout(sampler, engine, state, sampling)
         lockstep = aot.lower_rollout(sampler, None, state, sampling)
     assert set(lowered) == {"insert", "decode"} and set(lockstep) == {"lockstep"}
+
+
+def test_the_lowered_rollout_programs_take_the_largest_shapes_the_run_can_send():
+    """The insert is lowered for prompts of the longest bucket (a shorter one would plan the memory of a
+    smaller program than the run compiles) and the decode over every slot and the whole cache."""
+    config = ModelConfig.preset("tiny", vocab_size=64, num_layers=1, hidden_size=32, intermediate_size=64)
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    params = jax.eval_shape(lambda: state)
+    sampler = Sampler(graphdef, config, eos_ids=[3], pad_id=0, prompt_buckets=(8, 16), batch_buckets=(4,))
+    engine = RolloutEngine(sampler, slots=4, max_new_tokens=6, chunk=2)
+    lowered = aot.lower_rollout(sampler, engine, params, SamplingParams(temperature=1.0, max_new_tokens=6))
+    (_, slots, tokens, valid, *_), _ = lowered["insert"].args_info
+    rows = engine.kernels.insert_rows * engine.kernels.ways
+    assert tokens.shape == valid.shape == (rows, 16)  # the longest prompt bucket, not 8
+    (_, decoded, *_), _ = lowered["decode"].args_info
+    for program_slots in (slots, decoded):
+        keys = jax.tree.leaves(program_slots)[0]
+        assert keys.shape[0] == 4 and 16 + 6 in keys.shape  # every slot, the whole cache
+    (lockstep,) = aot.lower_rollout(sampler, None, params, SamplingParams(max_new_tokens=6)).values()
+    (_, _, prompts, *_), _ = lockstep.args_info
+    assert prompts.shape[-1] == 16

@@ -74,7 +74,7 @@ from mage_jax.rollout.stopping import Interrupted
 from mage_jax.training.assemble import RunParts, advantage_config, evaluation_key, row_length_buckets
 from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
 from mage_jax.training.signals import install_stop_signals
-from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows
+from mage_jax.training.train_step import TrainBatch, all_finite, fill_micro_batches, gather_rows
 
 ADVANTAGE_ROWS = 512
 """The smallest row count the advantage estimator runs at (padding rows are masked)."""
@@ -144,6 +144,7 @@ class Trainer:
         """``self.state`` was left mid-update by a stop request; the iteration's start is on disk."""
         if resume and self.checkpointer.latest_step() is not None:
             self.state, meta = self.checkpointer.restore(self.state)
+            self._check_same_run(meta)
             self.start_iteration = int(meta["iteration"])
             self.base_key = key_from_json(meta["rng"])
             self.skipped_updates = int(meta.get("skipped_updates", 0))
@@ -163,6 +164,27 @@ class Trainer:
             # The final evaluation, or an abandoned one, reruns: its records of this iteration go.
             reruns_evaluation = self.start_iteration >= cfg.train.iterations or self.pending_evaluation
             logger.rewind(self.start_iteration, keep_evaluations=not reruns_evaluation)
+
+    def _check_same_run(self, meta: dict[str, Any]) -> None:
+        """A resumed run goes on as the run its checkpoint was trained as: a ``config.json`` edited since
+        (outside ``config.RESUMABLE_KEYS``) would silently continue as another run, so it is one
+        ConfigError before anything is rewritten."""
+        if not meta.get("config"):
+            return
+        try:
+            changed = C.resume_changes(meta["config"], self.cfg)
+        except (C.ConfigError, TypeError, ValueError):  # a meta of another version: nothing to compare
+            return
+        if not changed:
+            return
+        key, before, after = changed[0]
+        more = f" (and {len(changed) - 1} more keys)" if len(changed) > 1 else ""
+        raise C.ConfigError(
+            f"{self.run_dir}/{C.CONFIG_FILE} says {key}={after!r}, but its checkpoint of iteration "
+            f"{meta.get('iteration')} was trained with {before!r}{more}: the config was edited after the run "
+            f"started; put {key} back to resume (a resumed run may change only "
+            f"{', '.join(k.rstrip('.') for k in C.RESUMABLE_KEYS)}), or start a new run with another "
+            "--run-dir")
 
     # -- one iteration ---------------------------------------------------------------------------------
     def train_iteration(self, iteration: int) -> dict[str, float]:
@@ -187,6 +209,8 @@ class Trainer:
         packed = pack_rows(result.rows, row_bucket=mb, length_buckets=buckets, pad_id=parts.tokenizer.pad_id)
         n = packed.num_rows
         row_lengths = (packed.prompt_lengths + packed.response_lengths)[:n]
+        if n and int(packed.response_lengths[:n].max()) > cfg.rollout.max_new_tokens:  # the head span
+            raise ValueError("a response is longer than rollout.max_new_tokens")
 
         def batch(idx: np.ndarray, advantages: np.ndarray | None = None) -> TrainBatch:
             """Rows ``idx`` cut to the token length bucket the longest of them needs."""
@@ -204,17 +228,23 @@ class Trainer:
         # Old (and reference) log-probs of every real row, before any update of this iteration; they stay
         # on the host (tens of GB at the paper's lengths) and each mini-batch takes its rows from them.
         t1 = time.perf_counter()
-        old = np.zeros(packed.tokens.shape, np.float32)
+        # One epoch of one mini-batch: its update starts from the state the rows would be recomputed with,
+        # so it takes log pi_old from its own forward pass instead of a recompute (the same values).
+        single_update = cfg.optim.epochs == 1 and n <= mb
+        old = None if single_update else np.zeros(packed.tokens.shape, np.float32)
         ref = np.zeros(packed.tokens.shape, np.float32) if self.use_reference else None
+        micro = cfg.optim.micro_batch_rows
         for idx in minibatch_indices(n, mb, permutation=np.argsort(row_lengths, kind="stable")):
             if self._stop.is_set():  # a safe point: the parameters are still the last iteration's
                 raise Interrupted
+            idx = fill_micro_batches(idx, micro)  # padding-only micro-batches are skipped
             placed = self.step.place_batch(batch(idx))
-            real = idx[idx >= 0]
-            old[real, :placed.length] = to_host(
-                self.step.compute_logprobs(self.state.params, placed))[:len(real)]
+            real = idx >= 0
+            if old is not None:
+                old[idx[real], :placed.length] = to_host(
+                    self.step.compute_logprobs(self.state.params, placed))[real]
             if ref is not None:
-                ref[real, :placed.length] = to_host(self._reference_logprobs(placed))[:len(real)]
+                ref[idx[real], :placed.length] = to_host(self._reference_logprobs(placed))[real]
 
         # PPO epochs over shuffled mini-batches, a safe point between any two: the state the iteration
         # started from is kept (its first update does not donate it) unless it is on disk already.
@@ -235,9 +265,10 @@ class Trainer:
             for idx in blocks:
                 if stoppable and self._stop.is_set():
                     self._abandon_updates(start_state if keep_start else None)
+                idx = fill_micro_batches(idx, micro)
                 rows = batch(idx, advantages)
                 placed = self.step.place_batch(rows.replace(
-                    old_logprobs=gather_rows(old, idx, rows.length),
+                    old_logprobs=None if old is None else gather_rows(old, idx, rows.length),
                     ref_logprobs=None if ref is None else gather_rows(ref, idx, rows.length),
                 ))
                 self.state, metrics = self.step.update(self.state, placed, lr_scale,
@@ -280,12 +311,14 @@ class Trainer:
         raise Interrupted
 
     def _rows_progress(self, iteration: int) -> Callable[[RolloutProgress], None] | None:
-        """Progress inside the rollout of ``iteration`` on the bar: rows generated so far."""
+        """Progress inside the rollout of ``iteration`` on the bar: model turns (play turns and reflections)
+        and tokens generated so far, units that move while meta-episodes are still unfinished."""
         if not self.cfg.logging.progress:
             return None
 
         def report(progress: RolloutProgress) -> None:
-            self._bar.set_postfix_str(f"iteration {iteration}: rollout, {progress.rows} rows generated")
+            self._bar.set_postfix_str(f"iteration {iteration}: rollout, {progress.rows} turns, "
+                                      f"{progress.tokens:,} tokens generated")
 
         return report
 
@@ -404,6 +437,11 @@ class Trainer:
         """SIGTERM and SIGINT request a stop at the next safe point; a second SIGINT exits at once."""
         return install_stop_signals(self._stop)
 
+    @property
+    def stop_event(self) -> threading.Event:
+        """The stop request: set by SIGTERM / SIGINT (while ``run`` runs) or ``request_stop``."""
+        return self._stop
+
     def request_stop(self) -> None:
         """Stop at the next safe point, save a checkpoint and return (what SIGTERM and SIGINT do)."""
         self._stop.set()
@@ -415,7 +453,7 @@ class Trainer:
         total = cfg.train.iterations
         restore_signal = self._install_signals()
         bar = self._bar = progress_bar(total=total, desc="train", enabled=cfg.logging.progress,
-                                       initial=self.start_iteration)
+                                       initial=self.start_iteration, unit="iterations")
         last_eval: dict[str, SplitResult] | None = None
         iteration = self.start_iteration
         status = "finished"

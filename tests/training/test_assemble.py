@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mage_jax import config as C
+from mage_jax.algorithms import RowBatch, credit
 from mage_jax.rollout.attempts import IndependentAttemptsRunner
 from mage_jax.training.assemble import (
+    advantage_config,
     build_tokenizer,
     constraint_length,
     env_options,
@@ -65,3 +68,16 @@ def test_constrained_reflection_words_join_the_vocabulary_and_a_resumed_one_must
     with pytest.raises(C.ConfigError, match="rollout.reflection_words giraffe are not single tokens") as err:
         build_tokenizer(grown, str(tmp_path), make_task_sampler(grown))  # the saved vocabulary is loaded
     assert "\n" not in str(err.value)
+
+
+def test_a_run_measures_each_rows_length_penalty_against_the_limit_it_was_generated_under():
+    # small-cpu's shape: play rows up to 24 tokens, reflections up to 48, c_len 2. A 40-token reflection
+    # is 16 / 24 past its M/2; measured against the play limit it would pay the whole c_len.
+    cfg = C.apply_overrides(C.ExperimentConfig(), {**WORD_LEVEL, "rollout.max_response_tokens": 24,
+                                                   "rollout.max_reflection_tokens": 48,
+                                                   "algorithm.length_penalty": 2.0})
+    rows = RowBatch.create(group=[0, 0], meta_episode=[0, 0], episode=[0, 0], step=[0, 1],
+                           is_reflect=[False, True], anchor=[0, 1], env_reward=[-5.0, 0.0],
+                           response_length=[9, 40])
+    np.testing.assert_allclose(np.asarray(credit(rows, advantage_config(cfg)).penalty), [0.0, 2.0 * 16 / 24],
+                               rtol=1e-6)
