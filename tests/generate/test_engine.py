@@ -518,8 +518,8 @@ _SHARDED = textwrap.dedent(
     # on devices that do not (prefilled again there: no cache row crosses devices).
     requests += [EngineRequest(i, tuple(range(4, 14)), 6, None, (i, 0, 0)) for i in range(24, 40)]
     out = {}
-    # The scanned layout (the pretrained presets' default) on the mesh too: its cache folds the layers
-    # into the kv-head axis, and its slot programs must shard and move it like the per-layer arrays.
+    # The scanned layout (the pretrained presets' default) on the mesh too: its stacked parameters keep a
+    # per-layer cache, and its slot programs must shard and move it like the unrolled layout's.
     scanned = dataclasses.replace(config, scan_layers=True)
     layouts = {False: (config, graphdef, state),
                True: (scanned, nnx.graphdef(nnx.eval_shape(lambda: Transformer(scanned, rngs=nnx.Rngs(0)))),
@@ -542,6 +542,7 @@ _SHARDED = textwrap.dedent(
             "compiles": engine.compile_count,
             "cache_bytes": [k.nbytes, max(s.data.nbytes for s in k.addressable_shards)],
             "cache_devices": len({s.device for s in k.addressable_shards}),
+            "cache_layers": [len(session.slots.cache.k), len(session.slots.cache.v)],
             "slot_bytes": [session.slots.tokens.nbytes,
                            max(s.data.nbytes for s in session.slots.tokens.addressable_shards)],
         }
@@ -588,8 +589,10 @@ def test_slots_and_their_cache_shard_over_the_mesh_batch_axes_on_8_devices():
     total, per_device = sharded["cache_bytes"]
     assert total == one["cache_bytes"][0] and per_device * 8 == total  # 16 slots, two per device
     assert sharded["cache_devices"] == scanned["cache_devices"] == 8
-    # One stacked array holds both layers' keys, split over the devices like the per-layer ones.
-    assert scanned["cache_bytes"] == [2 * b for b in sharded["cache_bytes"]]
+    # The scanned layout keeps one key and one value array per layer too (a layer's attention reads its
+    # own array, not a slice of a stacked one), split over the devices like the unrolled layout's.
+    assert scanned["cache_layers"] == sharded["cache_layers"] == [2, 2]
+    assert scanned["cache_bytes"] == sharded["cache_bytes"]
     assert scanned["moves"] == sharded["moves"]
     assert sharded["slot_bytes"][1] * 8 == sharded["slot_bytes"][0]
     assert one["cache_bytes"][1] == one["cache_bytes"][0]
