@@ -74,7 +74,8 @@ def program_memory(program: str, layers: Sequence[int], *, length: int, rows: in
             compiled = setup.sampler.lower(setup.params, sampling, rows=rows, prompt_len=prompt).compile()
         else:
             raise ValueError(f"unknown program {program!r}")
-        measured[n] = plan.ProgramMemory.of(compiled).as_dict()
+        measure = plan.ProgramMeasure.of(compiled, "cpu").as_dict()
+        measured[n] = {k: v for k, v in measure.items() if isinstance(v, (int, float))}  # bytes and FLOPs
     lo, hi = min(layers), max(layers)
     per_layer = {k: (measured[hi][k] - measured[lo][k]) / max(hi - lo, 1) for k in measured[lo]}
     extrapolated = {k: measured[hi][k] + (full_depth - hi) * per_layer[k] for k in measured[hi]}

@@ -21,6 +21,7 @@ import pytest
 from experiments import plan
 from experiments.environments import ENVIRONMENTS
 from experiments.presets import PAPER_HARDWARE, SMALL_HARDWARE
+from mage_jax.generate.slots import DEFAULT_INSERT_ROWS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -96,7 +97,8 @@ def test_the_full_depth_compile_of_a_scanned_model_agrees_with_the_extrapolation
         setup = plan.make_setup(cfg, 1, num_layers=depth)
         assert setup.model_config.scan_layers
         measured[depth] = {  # the largest program of a training iteration (activations of every block)
-            "train_grads": plan.ProgramMemory.of(plan.compile_train_grads(setup, rows, length)).as_dict(),
+            "train_grads": plan.ProgramMeasure.of(plan.compile_train_grads(setup, rows, length),
+                                                  "cpu").as_dict(),
         }
     for name in measured[3]:
         guess = plan.extrapolate((3, measured[3][name]), (6, measured[6][name]), 9)
@@ -116,21 +118,26 @@ def test_the_update_a_run_executes_needs_no_more_than_the_larger_of_the_two_halv
     setup = plan.make_setup(cfg, 1, num_layers=2)
     rows, length = cfg.optim.mini_batch_rows, 64
     params, opt = plan.device_bytes(setup.params), plan.device_bytes(setup.opt_state)
-    grads = plan.ProgramMemory.of(plan.compile_train_grads(setup, rows, length)).peak - params
-    apply = plan.ProgramMemory.of(plan.compile_train_apply(setup)).peak - params - opt
-    fused = plan.ProgramMemory.of(aot.lower_train_update(setup.step, setup.params, setup.opt_state, rows,
-                                                         length).compile())
+    grads = plan.ProgramMeasure.of(plan.compile_train_grads(setup, rows, length), "cpu").peak - params
+    apply = plan.ProgramMeasure.of(plan.compile_train_apply(setup), "cpu").peak - params - opt
+    fused = plan.ProgramMeasure.of(aot.lower_train_update(setup.step, setup.params, setup.opt_state, rows,
+                                                          length).compile(), "cpu")
     assert fused.flops > 0 and fused.alias >= params + opt - 1024  # the state is donated: updated in place
     assert max(grads, apply) * 0.9 <= fused.peak - params - opt <= max(grads, apply) * 1.02, (grads, apply,
                                                                                             fused)
 
 
 def _synthetic_plan(*, state: float, extra: dict[str, float], devices: int = 8) -> dict:
-    programs = {name: {"rows": 64, "length": 12288, "flops": 1e15, "extra": e, "need": state + e}
+    """A plan as ``plan_devices`` returns it, with ``extra`` bytes per program beyond the resident state
+    (an engine's decode comes with its insert, which needs nothing more here)."""
+    if "decode" in extra:
+        extra = {"insert": 0.0, **extra}
+    programs = {name: {"rows": 64, "length": 12288, "new_tokens": 256, "flops": 1e15, "model_flops": 8e14,
+                       "bytes_accessed": 1e12, "ideal_bytes": 8e11, "extra": e, "need": state + e}
                 for name, e in extra.items()}
     largest = max(programs, key=lambda n: programs[n]["need"])
     return {"devices": devices, "kv_cache": 30e9, "largest": largest, "peak": programs[largest]["need"],
-            "state": {"total": state}, "programs": programs}
+            "state": {"total": state}, "programs": programs, "compiler": {"platform": "cpu"}}
 
 
 def test_verdict_compares_the_peak_with_usable_memory_and_says_what_to_change():
@@ -140,6 +147,11 @@ def test_verdict_compares_the_peak_with_usable_memory_and_says_what_to_change():
                                                            "logprobs": 5e9, "decode": 40e9}), h100, cfg)
     assert fits["fits"] and fits["advice"] == [] and fits["headroom"] == pytest.approx(72e9 - 68e9)
     assert fits["seconds_at_peak"]["train_grads"] == pytest.approx(1e15 / 989e12)
+    # The roofline: 1 PFLOP at 989 TFLOP/s against 1 TB at 3.35 TB/s: compute-bound.
+    assert fits["roofline_seconds"]["train_grads"] == pytest.approx(1e15 / 989e12)
+    assert fits["bound"]["train_grads"] == "compute" and fits["compiler"] == "cpu"
+    assert fits["goals"]["decode_bytes_ratio"]["value"] == pytest.approx(1.25)
+    assert fits["goals"]["decode_bytes_ratio"]["met"] and fits["goals"]["train_flops_ratio"]["met"]
     rollout = plan.verdict(_synthetic_plan(state=8e9, extra={"train_grads": 30e9, "train_apply": 1e9,
                                                               "logprobs": 5e9, "decode": 70e9}), h100, cfg)
     assert not rollout["fits"] and "rollout.engine_slots to 32" in rollout["advice"][0]
@@ -161,7 +173,7 @@ def test_plan_of_the_tiny_preset_end_to_end():
     proc = _run("--env", "kuhn_poker", "--preset", "tiny", "--devices", "2", "--hardware", "t4-16gb",
                 "--hardware", "l4-24gb", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiling train_grads on 2 devices" in proc.stderr  # progress while compiling
+    assert "compiling train_grads on 2 cpu devices" in proc.stderr  # progress while compiling
     out = json.loads(proc.stdout)
     assert out["env"] == "kuhn_poker" and out["preset"] == "tiny"
     assert (out["model"]["name"], out["model"]["family"]) == ("tiny", "qwen3")  # a folder: its own name
@@ -180,7 +192,9 @@ def test_plan_of_the_tiny_preset_end_to_end():
     # (float32 activations); the tiny preset: 2 layers, 2 kv heads of 16, rows over the 2 devices.
     # The rollout is the engine's (the default): its slots' cache, as many rows as the engine has slots.
     r = p["programs"]["decode"]
-    assert r["rows"] == p["programs"]["insert"]["rows"] == 64  # min(the largest rollout, 64) slots
+    assert r["rows"] == 64  # min(the largest rollout, 64) slots
+    # An insert prefills the rows of its one program: DEFAULT_INSERT_ROWS targets per device block.
+    assert p["programs"]["insert"]["rows"] == DEFAULT_INSERT_ROWS * 2
     assert p["kv_cache"] == 2 * 2 * (r["rows"] // 2) * 2 * 16 * (r["prompt"] + r["new_tokens"]) * 4
     for name in ("insert", "decode"):  # the slots' cache is an argument of both engine programs
         assert p["programs"][name]["argument"] >= p["kv_cache"]
