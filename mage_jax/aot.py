@@ -22,22 +22,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from mage_jax.generate.engine import RolloutEngine
 from mage_jax.generate.sampler import Sampler
 from mage_jax.generate.step import SamplingParams
-from mage_jax.models.sharding import BATCH_AXES, replicated
+from mage_jax.models.sharding import replicated, rows_sharding
 from mage_jax.training.train_step import TrainBatch, TrainState, TrainStep
 
 
 def abstract_rows(mesh: Any, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
     """An abstract array placed as ``TrainStep.place_batch`` places rows: over the batch axes when they
     divide them, else replicated."""
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]
-    lead = BATCH_AXES if shape[0] % ways == 0 else None
-    spec = PartitionSpec(lead, *([None] * (len(shape) - 1)))
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, spec))
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=rows_sharding(mesh, shape[0], len(shape)))
 
 
 def abstract_train_batch(step: TrainStep, rows: int, length: int, *, update: bool) -> TrainBatch:

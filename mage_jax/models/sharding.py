@@ -161,6 +161,14 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
+def rows_sharding(mesh: Mesh, rows: int, ndim: int = 1) -> NamedSharding:
+    """An array of ``rows`` leading rows: split over ('data', 'fsdp') when they divide them, else
+    replicated, so that a mini-batch of fewer rows than the slice has devices (16 rows on a 64-chip
+    slice) still runs, every device computing every row."""
+    lead = BATCH_AXES if rows % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else None
+    return NamedSharding(mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
+
+
 def to_host(x: jax.Array) -> Any:
     """The whole of a (possibly multi-process) array as numpy on this host. With several processes a
     row-sharded array has rows on other hosts: they are gathered (every process must call this)."""

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from mage_jax.algorithms import losses
 from mage_jax.generate.constraints import constraint_masks
@@ -206,7 +206,6 @@ class TrainStep:
         self.config = config
         self.mesh = mesh
         self._platform = mesh.devices.flat[0].platform  # a compile-only topology's too
-        self._batch_sharding = shd.batch_sharding(mesh)
         self._replicated = shd.replicated(mesh)
         self._programs: dict[Any, tuple[Any, Any, Any]] = {}
         self._logprobs = None
@@ -237,14 +236,11 @@ class TrainStep:
 
     # ------------------------------------------------------------------ batches
     def place_batch(self, batch: TrainBatch) -> TrainBatch:
-        """Put a mini-batch on the mesh: rows over ('data', 'fsdp')."""
-        divisor = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        """Put a mini-batch on the mesh: rows over ('data', 'fsdp') when they divide them, else
+        replicated (``sharding.rows_sharding``)."""
 
         def place(value: Any) -> jax.Array:
-            spec = PartitionSpec(shd.BATCH_AXES, *([None] * (np.ndim(value) - 1)))
-            rows = np.shape(value)[0]
-            sharding = NamedSharding(self.mesh, spec) if rows % divisor == 0 else self._replicated
-            return jax.device_put(value, sharding)
+            return jax.device_put(value, shd.rows_sharding(self.mesh, np.shape(value)[0], np.ndim(value)))
 
         return jax.tree.map(place, batch)
 
@@ -325,16 +321,20 @@ class TrainStep:
                 return jnp.where(batch.response_mask, logp, 0.0)
 
             def logprobs(params, batch, adapters):
+                # The log-probs are placed like the batch's rows: split when they divide the batch axes,
+                # else replicated (a 16-row mini-batch on 64 chips).
+                rows = batch.tokens.shape[0]
+                placed = functools.partial(jax.lax.with_sharding_constraint,
+                                           shardings=shd.rows_sharding(self.mesh, rows, 2))
                 adapted, base = lora.split_adapters(params)
                 if jax.tree.leaves(adapted):  # off: every adapter matrix zero (``lora.without_adapters``)
                     off = jax.tree.map(lambda a: jnp.where(adapters, a, jnp.zeros_like(a)), adapted)
                     params = nnx.merge_state(base, off)
                 # ``micro_batch_rows`` rows at a time, like the update: the [rows, chunk, vocab] logits of
                 # a whole mini-batch would be the largest buffer of the run.
-                rows = batch.tokens.shape[0]
                 micro = self.config.micro_batch_rows or rows
                 if micro == rows or rows % micro:
-                    return one(params, batch)
+                    return placed(one(params, batch))
                 # The parameters ride in the scan's carry, so the model (and its remat) is merged from
                 # them inside the loop body's trace. A micro-batch of padding rows only is all zeros
                 # without running the model (as in the update).
@@ -343,10 +343,9 @@ class TrainStep:
                                            lambda _, part: jnp.zeros(part.tokens.shape, jnp.float32), p, part)
 
                 _, parts = jax.lax.scan(body, params, split_micro_batches(batch, micro))
-                return merge_micro_batches(parts)
+                return placed(merge_micro_batches(parts))
 
-            self._logprobs = jax.jit(logprobs, out_shardings=self._batch_sharding,
-                                     compiler_options=train_step_compiler_options(self._platform))
+            self._logprobs = jax.jit(logprobs, compiler_options=train_step_compiler_options(self._platform))
         return self._logprobs
 
     def _jitted(self, shardings: TrainState) -> tuple[Any, Any, Any]:
