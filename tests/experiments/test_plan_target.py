@@ -94,10 +94,17 @@ def test_a_pretrained_preset_trains_with_splash_under_shard_map_on_a_v5p_8_and_f
 
 
 @TPU
-def test_any_topology_by_name_multi_host_included():
-    out = _plan("--env", "kuhn_poker", "--preset", "tiny", "--topology", "v5e:4x4")
+def test_any_topology_by_name_multi_host_included_whatever_the_rows_per_device():
+    # A 64-chip, 16-host v5p slice: tiny's 16-row mini-batch does not divide over its 64 devices, so the
+    # training and log-prob programs take their rows replicated (the log-prob program's output was fixed
+    # to the batch sharding and failed to lower); the engine's 64 slots divide and stay split.
+    out = _plan("--env", "kuhn_poker", "--preset", "tiny", "--topology", "v5p:4x4x4")
+    _check_keys(out)
     (p,) = out["plans"]
-    assert p["devices"] == 16 and p["hardware"] == ["tpu-v5e:4x4"] and p["compiler"]["target"] == "v5e:4x4"
+    assert p["devices"] == 64 and p["hardware"] == ["tpu-v5p:4x4x4"]
+    assert p["compiler"]["target"] == "v5p:4x4x4"
+    assert set(p["programs"]) == set(plan.PROGRAMS)
+    assert p["programs"]["logprobs"]["rows"] == p["programs"]["train_grads"]["rows"] == 16
     assert out["verdicts"][0]["fits"]
 
 
