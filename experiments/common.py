@@ -38,8 +38,8 @@ from mage_jax import compilation_cache
 from mage_jax import config as C
 from mage_jax.models.hub import resolve_model_path
 from mage_jax.models.sharding import initialize_from_environment
+from mage_jax.training.health import TrainingStopped
 from mage_jax.training.run import EvaluationInterrupted, finished_iteration
-from mage_jax.training.trainer import TrainingStopped
 
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_STOPPED = 3

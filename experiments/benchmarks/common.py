@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mage_jax.envs import TextEnv
+from mage_jax.envs.base import TextEnv
 from mage_jax.envs.prompts import Move
 
 

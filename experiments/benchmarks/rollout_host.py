@@ -88,9 +88,9 @@ from experiments.benchmarks.stand_in_device import (
     stand_in_engine,
     stand_in_policy,
 )
-from mage_jax.envs import make_env
 from mage_jax.envs import workers as env_workers
 from mage_jax.envs.alfworld import write_tiny_alfred_game
+from mage_jax.envs.base import make_env
 from mage_jax.envs.webshop.catalogue import Catalogue
 from mage_jax.envs.webshop.env import SEARCH_TEMPLATE as WEBSHOP_SEARCH
 from mage_jax.envs.webshop.env import SEP as WEBSHOP_SEP

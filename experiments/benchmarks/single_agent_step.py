@@ -35,7 +35,7 @@ from experiments.benchmarks.common import (
     step_all,
     write_batch_report,
 )
-from mage_jax.envs import TextEnv, make_env
+from mage_jax.envs.base import TextEnv, make_env
 from mage_jax.envs.prompts import EpisodeRecord, Move, render_play_prompt, render_reflect_prompt
 
 REFLECTION = "I searched too broadly. Next time I will use the exact product type and check the options."

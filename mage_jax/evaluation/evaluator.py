@@ -45,6 +45,13 @@ from mage_jax.rollout.rows import Row
 from mage_jax.rollout.tasks import Task, TaskSampler
 
 KUHN_POKER = "kuhn_poker"
+EXTRA_SPLITS_STREAM = 7919
+"""The evaluation key folded with this plus an extra split's index keys that split: extra splits draw apart
+from the built-in ones (and from each other), so adding a split never changes another's numbers."""
+SPLIT_STRIDE = 1000
+"""Built-in split s keys its chunk c with the evaluation key folded with ``SPLIT_STRIDE * s + c``."""
+VALIDATION_STREAM = 0x5A11D
+"""The evaluation key folded with this keys the validation split."""
 """The one environment with an exact oracle (``mage_jax.evaluation.oracle``)."""
 
 
@@ -226,9 +233,9 @@ class Evaluator:
             # Keys of the built-in splits and of the extra splits are separate streams, so adding a split
             # never changes the numbers of another.
             if name in extra:
-                split_key, offset = host_random.fold_in(key, 7919 + extra[name]), 0
+                split_key, offset = host_random.fold_in(key, EXTRA_SPLITS_STREAM + extra[name]), 0
             else:
-                split_key, offset = key, 1000 * s_index
+                split_key, offset = key, SPLIT_STRIDE * s_index
             out[name] = self._run_split(name, tasks, runner, params, split_key, offset, stop)
         return out
 
@@ -237,7 +244,7 @@ class Evaluator:
         stream (training pool and seats), played with the evaluation sampling; for checkpoint selection."""
         tasks = self._sampler().sample_validation(self.cfg.train.validation_meta_episodes)
         return self._run_split("validation", tasks, self.parts.eval_runner, params,
-                               host_random.fold_in(key, 0x5A11D), 0, None)
+                               host_random.fold_in(key, VALIDATION_STREAM), 0, None)
 
     def _run_split(self, name: str, tasks: list[Task], runner: Any, params: Any, split_key: jax.Array,
                    offset: int, stop: threading.Event | None) -> SplitResult:

@@ -473,7 +473,7 @@ class MetaEpisodeRunner:
         return self.config.max_turns or int(self._template.max_turns)
 
     def _shows_admissible(self) -> bool:
-        return bool(getattr(self._template, "show_admissible", False))
+        return self._template.show_admissible
 
     def _wants_legal(self) -> bool:
         """Whether play turns read the legal actions (constrained decoding or prompts that list them)."""

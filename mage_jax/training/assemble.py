@@ -19,7 +19,7 @@ import jax
 
 from mage_jax import config as C
 from mage_jax import host_random
-from mage_jax.algorithms import AdvantageConfig
+from mage_jax.algorithms.advantages import AdvantageConfig
 from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.envs.base import make_env
 from mage_jax.envs.two_player import TwoPlayerGameEnv
@@ -40,6 +40,9 @@ from mage_jax.training.checkpoint import Checkpointer
 from mage_jax.training.train_step import StepConfig, TrainStep, make_optimizer, shared_train_step
 
 TOKENIZER_DIR = "tokenizer"
+ROLLOUT_STREAM, EVALUATION_STREAM = 0, 1
+"""Iteration i's key (the run's key folded with i) folded with these: the training rollout's sampling
+key and the evaluation's (``evaluation_key``)."""
 EVAL_MODES = ("meta", "independent")
 
 
@@ -435,4 +438,4 @@ def make_engine(cfg: C.ExperimentConfig, sampler: Sampler, mesh: Any) -> Rollout
 
 def evaluation_key(base_key: jax.Array, iteration: int) -> jax.Array:
     """The sampling key of the evaluation after ``iteration``: re-evaluating a checkpoint reproduces it."""
-    return host_random.fold_in(host_random.fold_in(base_key, iteration), 1)
+    return host_random.fold_in(host_random.fold_in(base_key, iteration), EVALUATION_STREAM)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from mage_jax.envs import make_env
 from mage_jax.envs.alfworld import (
     HELD_OUT_SPLITS,
     IN_DOMAIN_SPLITS,
@@ -19,6 +18,7 @@ from mage_jax.envs.alfworld import (
     clean_feedback,
     write_tiny_alfred_game,
 )
+from mage_jax.envs.base import make_env
 from tests.optional import require
 
 TYPE_DIRS = {

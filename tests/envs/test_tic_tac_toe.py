@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments.environments import environment
-from mage_jax.envs import make_env
+from mage_jax.envs.base import make_env
 from mage_jax.envs.opponents.tic_tac_toe import PREFERRED_ORDERS
 from mage_jax.envs.tic_tac_toe import (
     TIC_TAC_TOE_PROMPT_SPEC,

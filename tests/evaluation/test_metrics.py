@@ -92,13 +92,9 @@ def test_metrics_are_plain_json_and_flatten_for_logs():
 
 
 def test_metrics_from_a_rollout_include_response_lengths():
-    from mage_jax.rollout import (
-        MetaEpisodeRunner,
-        RunnerConfig,
-        ScriptedPolicy,
-        TaskSampler,
-        TaskSamplerConfig,
-    )
+    from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+    from mage_jax.rollout.policy import ScriptedPolicy
+    from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 
     tasks = TaskSampler(
         TaskSamplerConfig(num_tasks=2, group_size=1, opponents={"aggressive": 1})

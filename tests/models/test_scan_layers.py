@@ -340,7 +340,9 @@ _SHARDED = textwrap.dedent(
     import dataclasses, json, sys
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from mage_jax.models import ModelConfig, init_cache, lora, positions_from_mask
+    from mage_jax.models import lora
+    from mage_jax.models.config import ModelConfig
+    from mage_jax.models.transformer import init_cache, positions_from_mask
     from mage_jax.models.hf_loading import load_hf_params
     from mage_jax.models.sharding import MeshConfig, batch_sharding, cache_sharding, make_mesh
 

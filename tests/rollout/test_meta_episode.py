@@ -418,7 +418,7 @@ def test_kuhn_privileged_reflection_shows_the_opponent_card_only_in_training():
 
 @pytest.mark.parametrize("env_name", ["kuhn_poker", "tic_tac_toe", "sokoban", "minesweeper"])
 def test_the_runner_drives_every_built_in_game_with_consistent_rows_and_outcomes(env_name):
-    from mage_jax.envs import make_env
+    from mage_jax.envs.base import make_env
 
     pool = getattr(make_env(env_name), "opponent_pool", None)
     config = TaskSamplerConfig(num_tasks=3, group_size=2, opponents=pool, seats="mixed" if pool else "first")
