@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from mage_jax.testing import build_bpe_tokenizer
 from mage_jax.tokenizer import Tokenizer
 from tests.optional import REQUIRE_VAR
-from tests.tiny_models import build_bpe_tokenizer
 
 TESTS = Path(__file__).resolve().parent
 OPTIONAL = ("torch", "pyspiel", "textworld", "alfworld", "bm25s", "wandb", "rlax", "nbclient", "nbformat")

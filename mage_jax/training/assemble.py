@@ -404,6 +404,27 @@ class RunParts:
         return state.params, meta
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationParts:
+    """The model of a run and what generates with it: built by ``build_generation``."""
+
+    model_config: ModelConfig
+    graphdef: Any
+    params: Any
+    sampler: Sampler
+    engine: RolloutEngine | None
+
+
+def build_generation(cfg: C.ExperimentConfig, tokenizer: Tokenizer, mesh: Any) -> GenerationParts:
+    """The model of ``cfg`` (random or a folder's weights, on ``mesh``), its sampler and its rollout engine
+    (None: ``rollout.engine=lockstep``): what a run generates with, built in this one place (the runs, the
+    engine-parity harness of ``mage_jax.testing``)."""
+    model_config, graphdef, params = build_model(cfg, tokenizer, mesh)
+    sampler = make_sampler(cfg, mesh, model_config, graphdef, shd.param_shardings(params, mesh),
+                           eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
+    return GenerationParts(model_config, graphdef, params, sampler, make_engine(cfg, sampler, mesh))
+
+
 def build_parts(cfg: C.ExperimentConfig, run_dir: str | None, *, eval_mode: str = "meta") -> RunParts:
     """Build every part of the run of ``cfg`` (the tokenizer is kept in, or read from, ``run_dir``)."""
     check_environment(cfg)
@@ -411,14 +432,12 @@ def build_parts(cfg: C.ExperimentConfig, run_dir: str | None, *, eval_mode: str 
     task_sampler = make_task_sampler(cfg)
     eval_runner = make_eval_runner(cfg, eval_mode)
     tokenizer = build_tokenizer(cfg, run_dir, task_sampler)
-    model_config, graphdef, params = build_model(cfg, tokenizer, mesh)
-    sampler = make_sampler(cfg, mesh, model_config, graphdef, shd.param_shardings(params, mesh),
-                           eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
+    gen = build_generation(cfg, tokenizer, mesh)
     return RunParts(
-        cfg=cfg, mesh=mesh, tokenizer=tokenizer, model_config=model_config, graphdef=graphdef,
-        sampler=sampler, task_sampler=task_sampler,
+        cfg=cfg, mesh=mesh, tokenizer=tokenizer, model_config=gen.model_config, graphdef=gen.graphdef,
+        sampler=gen.sampler, task_sampler=task_sampler,
         train_runner=make_runner(cfg, num_episodes=cfg.rollout.num_episodes), eval_runner=eval_runner,
-        init_params=params, engine=make_engine(cfg, sampler, mesh),
+        init_params=gen.params, engine=gen.engine,
     )
 
 

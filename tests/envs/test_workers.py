@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from mage_jax import config as C
-from mage_jax.envs.alfworld import write_tiny_alfred_game
 from mage_jax.envs.workers import EnvPool, EnvWorkerError, Reset, Step, default_workers
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
 from mage_jax.rollout.policy import BatchStream, RandomLegalPolicy
 from mage_jax.rollout.stopping import Interrupted
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+from mage_jax.testing import write_tiny_alfworld_data
 from mage_jax.training.assemble import make_runner
 from tests.optional import require
 
@@ -83,9 +83,7 @@ def alfred_data(tmp_path_factory) -> Path:
     require("alfworld")
     require("textworld")
     root = tmp_path_factory.mktemp("alfworld_workers")
-    for trial in ("trial_T1", "trial_T2"):
-        write_tiny_alfred_game(root / "json_2.1.1" / "valid_unseen" /
-                               "pick_and_place_simple-Apple-None-Fridge-1" / trial)
+    write_tiny_alfworld_data(root, splits=("valid_unseen",), trials=2)
     return root
 
 

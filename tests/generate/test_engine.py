@@ -22,129 +22,60 @@ from flax import nnx
 from experiments.environments import ENVIRONMENTS, environment
 from mage_jax import compile_report
 from mage_jax import config as C
-from mage_jax.envs.alfworld import write_tiny_alfred_game
 from mage_jax.generate import engine as engine_module
 from mage_jax.generate.constraints import automaton_from_completions, automaton_from_word_sequence
 from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
 from mage_jax.generate.sampler import Sampler
 from mage_jax.generate.step import SamplingParams
 from mage_jax.models.config import ModelConfig
-from mage_jax.models.sharding import param_shardings
 from mage_jax.models.transformer import Transformer
-from mage_jax.rollout.policy import LLMPolicy
-from mage_jax.tokenizer import Tokenizer
-from mage_jax.training.assemble import (
-    build_model,
-    make_engine,
-    make_mesh,
-    make_runner,
-    make_sampler,
-    make_task_sampler,
-    tokenizer_corpus,
+from mage_jax.testing import (
+    PARITY_OVERRIDES,
+    ParityModel,
+    greedy_rollouts,
+    parity_model,
+    rollout_differences,
+    write_tiny_alfworld_data,
 )
+from mage_jax.training.assemble import make_engine
 from tests.optional import available, require
-from tests.tiny_models import SMALLEST_DECODER
 from tests.xla_env import fake_devices_env
 
-TIMING = {"rollout_seconds"}
 ENGINE_ENVS = sorted(env for env in ENVIRONMENTS if env != "alfworld" or available("textworld"))
 """Every environment; ALFWorld where its TextWorld engine is installed."""
 
 
-@pytest.fixture(scope="module")
-def alfworld_data(tmp_path_factory):
-    """One tiny ALFWorld PDDL game in every split (the real TextWorld engine plays it); None without it."""
-    if "alfworld" not in ENGINE_ENVS:
-        return None
-    root = tmp_path_factory.mktemp("alfworld")
-    for split in ("train", "valid_seen", "valid_unseen"):
-        game = root / "json_2.1.1" / split / "pick_and_place_simple-Apple-None-Fridge-1" / "trial_T1"
-        write_tiny_alfred_game(game)
-    return str(root)
-
-
 def tiny_config(env: str, data_dir: str | None = None, **rollout):
-    overrides = {
-        **({"env.data_dir": data_dir} if data_dir else {}),
-        "rollout.num_tasks": 2, "rollout.group_size": 2, "rollout.num_episodes": 2, "rollout.max_turns": 3,
-        "rollout.max_response_tokens": 12, "rollout.max_reflection_tokens": 6, "rollout.reflect": True,
-        "rollout.memory_mode": "history_and_reflection",
-        "model.overrides": SMALLEST_DECODER, "tokenizer.corpus_meta_episodes": 4,
-        "train.eval_meta_episodes": 4,
-        "train.eval_heldout_meta_episodes": 4, "rollout.engine_slots": 3, "rollout.engine_chunk": 2,
-        **{f"rollout.{k}": v for k, v in rollout.items()},
-    }
+    """``env``'s ``tiny`` preset with the engine-parity overrides (``mage_jax.testing.PARITY_OVERRIDES``)."""
+    overrides = {**PARITY_OVERRIDES, **({"env.data_dir": data_dir} if data_dir else {}),
+                 **{f"rollout.{k}": v for k, v in rollout.items()}}
     return environment(env).config("tiny", overrides)
 
 
-@dataclasses.dataclass(frozen=True)
-class SharedModel:
-    """One tokenizer, model, lockstep sampler and engine for every environment: their programs compile
-    once for all of them (compiling dominates these tests on a CPU)."""
-
-    cfgs: dict
-    tokenizer: Any
-    sampler: Sampler
-    params: Any
-    engine: RolloutEngine
-
-
 @pytest.fixture(scope="module")
-def shared_model(alfworld_data) -> SharedModel:
-    cfgs = {env: tiny_config(env, alfworld_data if env == "alfworld" else None)
-            for env in ENGINE_ENVS}
-    corpus = [text for cfg in cfgs.values() for text in tokenizer_corpus(cfg, make_task_sampler(cfg))]
-    tokenizer = Tokenizer.word_level(corpus)
-    # One prompt bucket, as long as the longest prompt limit of any environment (one prefill program).
-    longest = max(cfg.rollout.max_prompt_tokens for cfg in cfgs.values())
-    base = cfgs["kuhn_poker"]
-    base = dataclasses.replace(base, rollout=dataclasses.replace(
-        base.rollout, max_prompt_tokens=longest, length_buckets=(longest,)))
-    mesh = make_mesh(base)
-    model_config, graphdef, params = build_model(base, tokenizer, mesh)
-    sampler = make_sampler(base, mesh, model_config, graphdef, param_shardings(params, mesh),
-                           eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
-    engine = make_engine(base, sampler, mesh)
-    assert engine is not None  # the engine is the default
-    return SharedModel(cfgs, tokenizer, sampler, params, engine)
-
-
-def assert_same_rollout(a, b):
-    assert len(a.rows) == len(b.rows) > 0
-    for ra, rb in zip(a.rows, b.rows):
-        for field in dataclasses.fields(ra):
-            va, vb = getattr(ra, field.name), getattr(rb, field.name)
-            if field.name == "logprobs":
-                np.testing.assert_allclose(va, vb, atol=1e-5)
-            elif isinstance(va, np.ndarray):
-                np.testing.assert_array_equal(va, vb)
-            elif field.name != "constraint":
-                assert va == vb, field.name
-    assert [o.to_dict() for o in a.outcomes] == [o.to_dict() for o in b.outcomes]
-    stats_a = {k: v for k, v in a.stats.items() if k not in TIMING}
-    stats_b = {k: v for k, v in b.stats.items() if k not in TIMING}
-    assert stats_a == stats_b
+def parity(tmp_path_factory) -> ParityModel:
+    """One tokenizer, model, lockstep sampler and engine for every environment (ALFWorld on one tiny PDDL
+    game in every split): their programs compile once for all of them (compiling dominates these tests on
+    a CPU)."""
+    data = None
+    if "alfworld" in ENGINE_ENVS:
+        data = write_tiny_alfworld_data(tmp_path_factory.mktemp("alfworld"),
+                                        splits=("train", "valid_seen", "valid_unseen"))
+    model = parity_model({env: tiny_config(env, data if env == "alfworld" else None) for env in ENGINE_ENVS})
+    assert model.engine.num_slots == 3  # the engine is the default
+    return model
 
 
 @pytest.mark.parametrize("env", sorted(ENVIRONMENTS))
-def test_greedy_engine_rollout_equals_the_lockstep_rollout_on_every_environment(env, shared_model):
+def test_greedy_engine_rollout_equals_the_lockstep_rollout_on_every_environment(env, parity):
     if env == "alfworld":
         require("textworld")
-    cfg = shared_model.cfgs[env]
-    r = cfg.rollout
-    policy = functools.partial(
-        LLMPolicy, shared_model.tokenizer, shared_model.sampler, shared_model.params,
-        SamplingParams(temperature=0.0, max_new_tokens=max(r.max_response_tokens, r.max_reflection_tokens)),
-        jax.random.key(0), max_prompt_tokens=r.max_prompt_tokens)
-    tasks = make_task_sampler(cfg).sample_train(0)
-    runner = make_runner(cfg, num_episodes=r.num_episodes)
-    lockstep = runner.run(tasks, policy(engine=None), training=True)
-    engine = runner.run(tasks, policy(engine=shared_model.engine), training=True)
-    assert_same_rollout(lockstep, engine)
+    lockstep, engine = greedy_rollouts(parity, env)
+    assert rollout_differences(lockstep, engine) == []
     # The engine really interleaved turns: more rows than slots. (Slot moves need a slot freed below a
     # running one with nothing queued; these random-model workloads are nearly symmetric across
     # meta-episodes and rarely make one, so the engine-level equality tests assert the moves.)
-    assert lockstep.stats["rows"] > shared_model.engine.num_slots
+    assert lockstep.stats["rows"] > parity.engine.num_slots
 
 
 # ------------------------------------------------------------------------------------ engine alone

@@ -22,8 +22,8 @@ from mage_jax.generate.sampler import Sampler
 from mage_jax.generate.step import SamplingParams
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer, positions_from_mask
+from mage_jax.testing import random_causal_lm
 from tests.optional import require
-from tests.tiny_models import build_random_causal_lm
 from tests.xla_env import fake_devices_env
 
 VOCAB, EOS, PAD = 64, 3, 0
@@ -213,7 +213,8 @@ def build_hf_checkpoint(arch: str, folder):
         max_position_embeddings=512,
         tie_word_embeddings=arch == "qwen3",
     )
-    return build_random_causal_lm(hf_config, folder, weight_std=0.2)
+    require("torch")
+    return random_causal_lm(hf_config, folder, weight_std=0.2)
 
 
 def hf_greedy(model, prompts, max_new: int):

@@ -17,9 +17,9 @@ from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
 from mage_jax.rollout.policy import GenerationRequest, LLMPolicy, Policy, RandomLegalPolicy, ScriptedPolicy
 from mage_jax.rollout.rows import pack_rows
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+from mage_jax.testing import SMALLEST_DECODER
 from mage_jax.tokenizer import Tokenizer
 from mage_jax.training.train_step import StepConfig, TrainBatch, TrainStep
-from tests.tiny_models import SMALLEST_DECODER
 
 ACTIONS = ("<action>PASS</action>", "<action>BET</action>")
 WORDS = ("bets", "King", "weak")
