@@ -96,3 +96,15 @@ def test_the_orchestration_layer_imports_project_modules_at_module_top():
             if inside:
                 late[rel] = inside
     assert late == {}
+
+
+def test_nothing_outside_the_tests_imports_from_them():
+    """Support code the tests share with benchmarks and notebooks lives in ``mage_jax.testing``."""
+    found = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "tests"]
+    assert found == []
