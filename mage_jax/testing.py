@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the harness imports JAX and the run's parts when it runs: t
     from mage_jax import config as C
     from mage_jax.generate.engine import RolloutEngine
     from mage_jax.generate.sampler import Sampler
-    from mage_jax.rollout.meta_episode import RolloutResult
+    from mage_jax.rollout.meta_episode import RolloutResult, RunnerConfig
     from mage_jax.tokenizer import Tokenizer
 
 # ---------------------------------------------------------------------------------------- model shapes
@@ -69,6 +69,17 @@ def smoke_args(overrides: Mapping[str, Any] | None = None) -> list[str]:
             text = str(value).lower() if isinstance(value, bool) else str(value)
         args += ["--set", f"{key}={text}"]
     return args
+
+
+# -------------------------------------------------------------------------------------------- runners
+def runner_config(*, anchor: str = "global", keep_text: bool = False, **rollout: Any) -> RunnerConfig:
+    """A ``RunnerConfig`` from keyword arguments: ``anchor`` and ``keep_text`` are the runner's, the rest
+    fields of its ``RolloutConfig`` (their defaults otherwise), for tests and benchmarks that build a
+    runner without an experiment config."""
+    from mage_jax.rollout.config import RolloutConfig
+    from mage_jax.rollout.meta_episode import RunnerConfig
+
+    return RunnerConfig(RolloutConfig(**rollout), anchor=anchor, keep_text=keep_text)
 
 
 # ------------------------------------------------------------------------- tokenizers and random models

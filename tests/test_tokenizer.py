@@ -9,10 +9,10 @@ import shutil
 import pytest
 
 from mage_jax.envs.parsing import extract_action
-from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner
 from mage_jax.rollout.policy import RandomLegalPolicy
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
-from mage_jax.testing import build_bpe_tokenizer, write_tiny_alfworld_data
+from mage_jax.testing import build_bpe_tokenizer, runner_config, write_tiny_alfworld_data
 from mage_jax.tokenizer import PromptEncoder, Tokenizer, TokenizerError, join_word_pieces
 from tests.optional import require
 
@@ -265,8 +265,8 @@ def environment_prompts(name, tmp_path):
         opponents = {"random": 1} if name == "tic_tac_toe" else {"conservative": 1, "aggressive": 1}
     tasks = TaskSampler(TaskSamplerConfig(num_tasks=2, group_size=2, opponents=opponents,
                                           seats="mixed" if opponents else "first")).sample_train(0)
-    config = RunnerConfig(num_episodes=3, constrained_actions=True, memory_mode="history_only", reflect=False,
-                          keep_text=True)
+    config = runner_config(num_episodes=3, constrained_actions=True, memory_mode="history_only",
+                           reflect=False, keep_text=True)
     rows = MetaEpisodeRunner(name, options, config).run(tasks, RandomLegalPolicy(0), training=False).rows
     return [r.prompt_text for r in rows]
 

@@ -44,10 +44,10 @@ from mage_jax.envs import workers as env_workers
 from mage_jax.envs.base import make_env
 from mage_jax.envs.workers import EnvPool
 from mage_jax.generate.slots import DEFAULT_SLOT_LEVELS
-from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner
 from mage_jax.rollout.policy import RandomLegalPolicy
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
-from mage_jax.testing import write_tiny_alfworld_data
+from mage_jax.testing import runner_config, write_tiny_alfworld_data
 from mage_jax.tokenizer import Tokenizer
 
 ENVS = ("kuhn_poker", "sokoban", "webshop", "alfworld")
@@ -83,7 +83,7 @@ def tasks_of(name: str, meta_episodes: int) -> list[Any]:
     ).sample_train(0)
 
 
-RUNNER = RunnerConfig(num_episodes=3, constrained_actions=True, memory_mode="history_only", reflect=False)
+RUNNER = runner_config(num_episodes=3, constrained_actions=True, memory_mode="history_only", reflect=False)
 
 
 def build_tokenizer(name: str, options: dict[str, Any], tasks: list[Any]) -> Tokenizer:

@@ -39,6 +39,7 @@ from mage_jax.evaluation.metrics import compute_metrics
 from mage_jax.evaluation.oracle import KuhnMetaEpisode, kuhn_oracle
 from mage_jax.evaluation.samples import Sample, sample_rows
 from mage_jax.progress import progress_bar
+from mage_jax.rollout.config import RolloutConfig
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutProgress, RolloutResult, RunnerConfig
 from mage_jax.rollout.policy import Policy, RandomLegalPolicy
 from mage_jax.rollout.rows import Row
@@ -153,9 +154,9 @@ def _reference_block(report: Any) -> dict[str, Any]:
 def random_reference(env_name: str, env_options: Mapping[str, Any], tasks: Sequence[Task], num_episodes: int,
                      *, seed: int = 0) -> dict[str, Any]:
     """success@k / draw@k / payoff@k of the random legal-action policy on exactly these meta-episodes."""
-    runner = MetaEpisodeRunner(env_name, env_options, RunnerConfig(
+    runner = MetaEpisodeRunner(env_name, env_options, RunnerConfig(RolloutConfig(
         num_episodes=num_episodes, memory_mode="history_only", reflect=False, prompt_style="compact",
-        constrained_actions=True))
+        constrained_actions=True)))
     metrics = compute_metrics(runner.run(list(tasks), RandomLegalPolicy(seed), training=False),
                               num_episodes=num_episodes)
 
@@ -311,7 +312,7 @@ def transcripts(parts: EvalParts, params: Any, *, count: int = 4, opponent: str 
     (notebooks, debugging)."""
     runner = parts.eval_runner
     base = getattr(runner, "base", runner)
-    config = dataclasses.replace(base.config, keep_text=True, num_episodes=runner.config.num_episodes)
+    config = dataclasses.replace(base.config, keep_text=True).with_episodes(runner.config.num_episodes)
     text_runner = MetaEpisodeRunner(base.env_name, base.env_options, config)
     tasks = parts.task_sampler.sample_eval(count, opponent=opponent, seat=seat)
     policy = parts.policy(params, host_random.key(seed), evaluation=True)

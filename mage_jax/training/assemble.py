@@ -108,24 +108,9 @@ def constraint_length(cfg: C.ExperimentConfig) -> int:
 
 def runner_config(cfg: C.ExperimentConfig, *, num_episodes: int, privileged_reflection: bool | None = None,
                   keep_text: bool = False) -> RunnerConfig:
-    r = cfg.rollout
-    return RunnerConfig(
-        num_episodes=num_episodes,
-        memory_mode=r.memory_mode,
-        reflect=r.reflect,
-        prompt_style=r.prompt_style,
-        constrained_actions=r.constrained_actions,
-        privileged_reflection=(r.privileged_reflection if privileged_reflection is None
-                               else privileged_reflection),
-        anchor=cfg.algorithm.anchor,
-        max_prompt_tokens=r.max_prompt_tokens,
-        max_turns=r.max_turns,
-        max_response_tokens=r.max_response_tokens,
-        max_reflection_tokens=r.reflection_tokens,
-        reflection_words=tuple(r.reflection_words),
-        reflection_max_words=r.reflection_max_words,
-        keep_text=keep_text,
-    )
+    """The runner of ``cfg``'s rollout section with ``num_episodes`` episodes per meta-episode."""
+    runner = RunnerConfig(cfg.rollout, anchor=cfg.algorithm.anchor, keep_text=keep_text)
+    return runner.with_episodes(num_episodes, privileged_reflection=privileged_reflection)
 
 
 def env_options(cfg: C.ExperimentConfig) -> dict[str, Any]:

@@ -18,11 +18,11 @@ import pytest
 
 from mage_jax import config as C
 from mage_jax.envs.workers import EnvPool, EnvWorkerError, Reset, Step, default_workers
-from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner
 from mage_jax.rollout.policy import BatchStream, RandomLegalPolicy
 from mage_jax.rollout.stopping import Interrupted
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
-from mage_jax.testing import write_tiny_alfworld_data
+from mage_jax.testing import runner_config, write_tiny_alfworld_data
 from mage_jax.training.assemble import make_runner
 from tests.optional import require
 
@@ -106,7 +106,8 @@ def test_meta_episodes_in_workers_equal_in_process_stepping(name, request):
     under the lockstep schedule and the continuous one (environments step while others decode)."""
     data = request.getfixturevalue("alfred_data") if name == "alfworld" else None
     [(_, options, tasks)] = [e for e in environments(data) if e[0] == name]
-    config = RunnerConfig(num_episodes=2, constrained_actions=True, memory_mode="history_only", reflect=False)
+    config = runner_config(num_episodes=2, constrained_actions=True, memory_mode="history_only",
+                           reflect=False)
     slow = name in ("webshop", "alfworld")  # seconds per rollout here: the continuous schedule only
     for policy in (Continuous,) if slow else (lambda: RandomLegalPolicy(3), Continuous):
         facts = []
@@ -145,7 +146,7 @@ class KillingPolicy(RandomLegalPolicy):
 
 
 def test_a_killed_worker_is_one_error_naming_the_environment_and_the_task():
-    runner = MetaEpisodeRunner("kuhn_poker", {}, RunnerConfig(num_episodes=2, constrained_actions=True),
+    runner = MetaEpisodeRunner("kuhn_poker", {}, runner_config(num_episodes=2, constrained_actions=True),
                                workers=1)
     started = time.perf_counter()
     with pytest.raises(EnvWorkerError) as err:
@@ -158,7 +159,7 @@ def test_a_killed_worker_is_one_error_naming_the_environment_and_the_task():
     again = runner.run(kuhn_tasks(), RandomLegalPolicy(1), training=True)
     runner.close()
     assert rollout_facts(again) == rollout_facts(MetaEpisodeRunner(
-        "kuhn_poker", {}, RunnerConfig(num_episodes=2, constrained_actions=True)).run(
+        "kuhn_poker", {}, runner_config(num_episodes=2, constrained_actions=True)).run(
         kuhn_tasks(), RandomLegalPolicy(1), training=True))
 
 
@@ -179,7 +180,7 @@ def test_a_stop_request_while_environments_step_is_interrupted_and_the_runner_pl
     """The stop event is honoured while the runner waits for workers; the next rollout is unaffected
     (replies of the stopped one are dropped)."""
     stop = threading.Event()
-    runner = MetaEpisodeRunner("kuhn_poker", {}, RunnerConfig(num_episodes=2, constrained_actions=True),
+    runner = MetaEpisodeRunner("kuhn_poker", {}, runner_config(num_episodes=2, constrained_actions=True),
                                workers=2)
 
     class Stopper(RandomLegalPolicy):
@@ -196,7 +197,7 @@ def test_a_stop_request_while_environments_step_is_interrupted_and_the_runner_pl
         again = runner.run(kuhn_tasks(), RandomLegalPolicy(1), training=True, stop=threading.Event())
     finally:
         runner.close()
-    reference = MetaEpisodeRunner("kuhn_poker", {}, RunnerConfig(num_episodes=2, constrained_actions=True))
+    reference = MetaEpisodeRunner("kuhn_poker", {}, runner_config(num_episodes=2, constrained_actions=True))
     assert rollout_facts(again) == rollout_facts(reference.run(kuhn_tasks(), RandomLegalPolicy(1),
                                                                training=True))
 
@@ -205,7 +206,7 @@ def test_a_worker_killed_by_the_signal_that_stopped_the_run_is_the_stop_not_an_e
     """A SIGTERM sent to every process of the job (a scheduler's preemption) can end a worker too: after
     a stop request that is the stop (``Interrupted``), not an ``EnvWorkerError``."""
     stop = threading.Event()
-    runner = MetaEpisodeRunner("kuhn_poker", {}, RunnerConfig(num_episodes=2, constrained_actions=True),
+    runner = MetaEpisodeRunner("kuhn_poker", {}, runner_config(num_episodes=2, constrained_actions=True),
                                workers=1)
     try:
         with pytest.raises(Interrupted):
@@ -292,15 +293,16 @@ def test_ctrl_c_or_sigterm_to_the_process_group_stops_the_rollout_and_leaves_no_
     point, the process exits normally, and its workers are gone."""
     script = textwrap.dedent(f"""
         import os, signal, threading
-        from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+        from mage_jax.rollout.meta_episode import MetaEpisodeRunner
         from mage_jax.rollout.policy import RandomLegalPolicy
         from mage_jax.rollout.stopping import Interrupted
+        from mage_jax.testing import runner_config
         from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
         from mage_jax.training.signals import install_stop_signals
 
         stop = threading.Event()
         install_stop_signals(stop)
-        runner = MetaEpisodeRunner("sokoban", {{}}, RunnerConfig(num_episodes=3, constrained_actions=True),
+        runner = MetaEpisodeRunner("sokoban", {{}}, runner_config(num_episodes=3, constrained_actions=True),
                                    workers=2)
 
         class Signalling(RandomLegalPolicy):

@@ -13,11 +13,11 @@ from mage_jax.generate.step import SamplingParams
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer
-from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner
 from mage_jax.rollout.policy import GenerationRequest, LLMPolicy, Policy, RandomLegalPolicy, ScriptedPolicy
 from mage_jax.rollout.rows import pack_rows
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
-from mage_jax.testing import SMALLEST_DECODER
+from mage_jax.testing import SMALLEST_DECODER, runner_config
 from mage_jax.tokenizer import Tokenizer
 from mage_jax.training.train_step import StepConfig, TrainBatch, TrainStep
 
@@ -50,7 +50,7 @@ def kuhn_llm():
     tasks = TaskSampler(
         TaskSamplerConfig(num_tasks=4, group_size=2, opponents={"aggressive": 1.0}, seats="mixed")
     ).sample_train(0)
-    cfg = RunnerConfig(num_episodes=2, prompt_style="compact", constrained_actions=True, keep_text=True)
+    cfg = runner_config(num_episodes=2, prompt_style="compact", constrained_actions=True, keep_text=True)
     scripted = ScriptedPolicy(lambda p: "<remark>bet with king</remark>" if "remark" in p else ACTIONS[1])
     corpus = [
         r.prompt_text
@@ -73,7 +73,7 @@ def kuhn_llm():
 def test_llm_policy_plays_constrained_kuhn_meta_episodes_end_to_end(kuhn_llm):
     tasks, tokenizer, sampler, state = kuhn_llm
     policy = LLMPolicy(tokenizer, sampler, state, SamplingParams(max_new_tokens=6), jax.random.key(0), 256)
-    cfg = RunnerConfig(
+    cfg = runner_config(
         num_episodes=2,
         prompt_style="compact",
         constrained_actions=True,
@@ -109,7 +109,7 @@ def test_constrained_reflections_are_sampled_under_the_automaton_the_train_step_
     and the train step's recomputed log-probs (automata replayed from the packed rows) are the sampler's."""
     tasks, tokenizer, sampler, state = kuhn_llm
     policy = LLMPolicy(tokenizer, sampler, state, SamplingParams(max_new_tokens=6), jax.random.key(3), 256)
-    cfg = RunnerConfig(num_episodes=3, prompt_style="compact", constrained_actions=True,
+    cfg = runner_config(num_episodes=3, prompt_style="compact", constrained_actions=True,
                        max_prompt_tokens=256, reflection_words=WORDS, reflection_max_words=2, keep_text=True)
     result = MetaEpisodeRunner("kuhn_poker", {}, cfg).run(tasks, policy, training=True)
     reflect = [r for r in result.rows if r.phase == "reflect"]

@@ -5,7 +5,7 @@ import json
 import os
 
 from experiments.benchmarks import generation, train_step
-from experiments.benchmarks.common import QWEN3_SHAPES, pinned_threads
+from experiments.benchmarks.common import pinned_threads
 from tests.optional import require
 
 torch = require("torch")  # the PyTorch side of every benchmark
