@@ -211,8 +211,8 @@ def parity_model(cfgs: Mapping[str, C.ExperimentConfig]) -> ParityModel:
     base = next(iter(cfgs.values()))
     base = dataclasses.replace(base, rollout=dataclasses.replace(
         base.rollout, max_prompt_tokens=longest, length_buckets=(longest,)))
-    generation = assemble.build_generation(base, tokenizer, assemble.make_mesh(base))
-    if generation.engine is None:
+    generation = assemble.build_generation(base, tokenizer, assemble.make_mesh(base), lockstep=True)
+    if generation.engine is None or generation.sampler is None:
         raise ValueError("the parity configs run without the rollout engine (rollout.engine=lockstep)")
     return ParityModel(dict(cfgs), tokenizer, generation.sampler, generation.params, generation.engine)
 
@@ -232,9 +232,9 @@ def greedy_rollouts(model: ParityModel, env: str) -> tuple[RolloutResult, Rollou
     tasks = assemble.make_task_sampler(cfg).sample_train(0)
     runner = assemble.make_runner(cfg, num_episodes=r.num_episodes)
     out = []
-    for engine in (None, model.engine):
-        policy = LLMPolicy(model.tokenizer, model.sampler, model.params, greedy, jax.random.key(0),
-                           max_prompt_tokens=r.max_prompt_tokens, engine=engine)
+    for generator in (model.sampler, model.engine):
+        policy = LLMPolicy(model.tokenizer, generator, model.params, greedy, jax.random.key(0),
+                           max_prompt_tokens=r.max_prompt_tokens)
         out.append(runner.run(tasks, policy, training=True))
     return out[0], out[1]
 

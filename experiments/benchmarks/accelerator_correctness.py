@@ -165,11 +165,12 @@ def _our_greedy(graphdef: Any, config: Any, state: Any, tokens: np.ndarray, mask
     """Greedy continuations by our sampler (prefill + cached decode)."""
 
     from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.spec import ModelSpec
     from mage_jax.generate.step import SamplingParams
 
     prompts = [row[m].tolist() for row, m in zip(tokens, mask, strict=True)]
-    sampler = Sampler(graphdef, config, eos_ids=[vocab - 1], pad_id=0, prompt_buckets=(tokens.shape[1],),
-                      batch_buckets=(len(prompts),))
+    spec = ModelSpec(graphdef, config, eos_ids=(vocab - 1,), pad_id=0, prompt_buckets=(tokens.shape[1],))
+    sampler = Sampler(spec, batch_buckets=(len(prompts),))
     result = sampler.generate(state, prompts, SamplingParams(temperature=0.0, max_new_tokens=steps),
                               jax.random.key(0))
     return [[int(t) for t in row] for row in result.tokens]

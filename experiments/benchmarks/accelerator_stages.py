@@ -283,8 +283,9 @@ def decode(given: StageInput) -> dict[str, Any]:
     import torch
     import transformers
 
-    from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
-    from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.engine import EngineRequest, generate_all
+    from mage_jax.generate.slots import compiled_engine
+    from mage_jax.generate.spec import ModelSpec
     from mage_jax.generate.step import SamplingParams
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.hf_loading import load_hf_params
@@ -297,9 +298,8 @@ def decode(given: StageInput) -> dict[str, Any]:
     prompts = np.random.default_rng(0).integers(2, eos, size=(rows, prompt_len)).tolist()
     config = ModelConfig.from_hf_dir(folder, dtype="bfloat16", param_dtype="bfloat16")
     config, graphdef, state = load_hf_params(folder, config)
-    sampler = Sampler(graphdef, config, eos_ids=[eos], pad_id=0, prompt_buckets=(prompt_len,),
-                      batch_buckets=(rows,))
-    engine = RolloutEngine(sampler, slots=rows, max_new_tokens=new, chunk=sizes.decode_chunk)
+    spec = ModelSpec(graphdef, config, eos_ids=(eos,), pad_id=0, prompt_buckets=(prompt_len,))
+    engine = compiled_engine(spec, slots=rows, max_new_tokens=new, chunk=sizes.decode_chunk)
     automaton = rollout.no_eos_automaton(config.vocab_size, eos)
     params = SamplingParams(temperature=1.0, max_new_tokens=new)
     stats = {}

@@ -35,7 +35,7 @@ from experiments.benchmarks.stand_in_device import (
     FREE,
     QWEN_VOCAB,
     DeviceCosts,
-    StandInEngine,
+    StandInPrograms,
     measure_cpu_costs,
     stand_in_engine,
     stand_in_policy,
@@ -43,6 +43,7 @@ from experiments.benchmarks.stand_in_device import (
 from mage_jax.envs import workers as env_workers
 from mage_jax.envs.base import make_env
 from mage_jax.envs.workers import EnvPool
+from mage_jax.generate.engine import RolloutEngine
 from mage_jax.generate.slots import DEFAULT_SLOT_LEVELS
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner
 from mage_jax.rollout.policy import RandomLegalPolicy
@@ -152,7 +153,7 @@ def timed_rollout(
     *,
     workers: int,
     costs: DeviceCosts,
-    engine: StandInEngine,
+    engine: RolloutEngine,
 ) -> dict[str, Any]:
     """One rollout through ``engine`` (a new policy); its wall time, device time, environment time (in
     process only), decode chunks, rows and the session's ``EngineStats``. Workers are warmed up first on
@@ -160,11 +161,13 @@ def timed_rollout(
     runner = MetaEpisodeRunner(name, options, RUNNER, workers=workers)
     try:
         if workers:
-            k = engine.kernels  # a throwaway engine, so that ``engine``'s first session is a measured one
+            k = engine.programs  # a throwaway engine, so that ``engine``'s first session is a measured one
             warm = stand_in_engine(tokenizer, slots=k.num_slots, chunk=k.chunk,
                                    max_new_tokens=k.max_new_tokens)
             runner.run(tasks[:workers], stand_in_policy(tokenizer, warm, FREE), training=True)
         policy = stand_in_policy(tokenizer, engine, costs)
+        stand_in = engine.programs
+        assert isinstance(stand_in, StandInPrograms)
         with OpTimer() as timer, WaitTimer() as waited:
             started = time.perf_counter()
             result = runner.run(tasks, policy, training=True)
@@ -175,13 +178,13 @@ def timed_rollout(
     assert stats is not None
     return {
         "seconds": seconds,
-        "device_s": sum(engine.kernels.device_s.values()),
-        "device_s_by_program": dict(engine.kernels.device_s),
-        "programs": dict(engine.kernels.programs),
-        "stand_in_s": engine.kernels.stand_in_s,
+        "device_s": sum(stand_in.device_s.values()),
+        "device_s_by_program": dict(stand_in.device_s),
+        "programs": dict(stand_in.runs),
+        "stand_in_s": stand_in.stand_in_s,
         "env_s": timer.seconds if workers == 0 else None,
         "env_wait_s": waited.seconds,
-        "chunks": engine.kernels.chunks,
+        "chunks": stand_in.chunks,
         "rows": len(result.rows),
         "stats": stats,
         "automata": engine.bank.num_automata,
@@ -236,7 +239,9 @@ def bench_env(name: str, args: argparse.Namespace, data_root: Path,
     free = timed_rollout(name, options, tasks, tokenizer, workers=workers, costs=FREE, **common)
     # the device programs' costs at the prompt buckets this environment's rollout used (the cache of the
     # decode chunk holds the largest, as an engine sized for these prompts would)
-    cpu, shapes_measured = cpu_costs(args, engine.kernels.prompt_buckets_seen, measured)
+    stand_in = engine.programs
+    assert isinstance(stand_in, StandInPrograms)
+    cpu, shapes_measured = cpu_costs(args, stand_in.prompt_buckets_seen, measured)
     costs = cpu.scaled(1.0 / args.speedup)
     timed = timed_rollout(name, options, tasks, tokenizer, workers=workers, costs=costs, **common)
     stats = free["stats"]  # the first rollout of the engine: the bank's uploads included

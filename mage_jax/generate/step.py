@@ -249,6 +249,16 @@ def token_step(logits: jax.Array, transitions: jax.Array | tuple[Bank, jax.Array
     return Drawn(token, logp, auto, eos)
 
 
+def count_token(drawn: Drawn, length: jax.Array, done: jax.Array, finished: jax.Array,
+                limit: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The per-row tail of every step after ``token_step`` (both programs, the first token and every
+    decoded one): a row that was not ``done`` counts its token in ``length``; it is done once it drew an
+    end of sequence or holds ``limit`` tokens, and ``finished`` when it drew the end of sequence.
+    Returns (length, done, finished)."""
+    length = length + (~done).astype(jnp.int32)
+    return length, done | drawn.eos | (length >= limit), finished | drawn.eos
+
+
 def prefill(model: Any, tokens: jax.Array, valid: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
     """The prompt pass: left-padded ``tokens`` [B, P] (``valid`` marks the real ones) attend causally
     among the real tokens only; their keys and values fill cache positions 0..P-1. Returns the hidden

@@ -26,6 +26,8 @@ from mage_jax.envs.two_player import TwoPlayerGameEnv
 from mage_jax.envs.workers import default_workers
 from mage_jax.generate.engine import RolloutEngine
 from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.slots import compiled_engine
+from mage_jax.generate.spec import ModelSpec
 from mage_jax.generate.step import SamplingParams
 from mage_jax.logging import MetricsLogger
 from mage_jax.models import sharding as shd
@@ -333,14 +335,17 @@ def sampler_batch_buckets(cfg: C.ExperimentConfig, mesh: Any) -> tuple[int, ...]
         -(-largest // batch_axis) * batch_axis,)
 
 
-def make_sampler(cfg: C.ExperimentConfig, mesh: Any, model_config: ModelConfig, graphdef: Any,
-                 state_shardings: Any, *, eos_ids: Sequence[int], pad_id: int) -> Sampler:
-    """The rollout and evaluation sampler of ``cfg`` (prompt and row buckets, shardings of the mesh)."""
-    return Sampler(
-        graphdef, model_config, eos_ids=eos_ids, pad_id=pad_id,
-        prompt_buckets=length_buckets(cfg.rollout.max_prompt_tokens, cfg.rollout.length_buckets),
-        batch_buckets=sampler_batch_buckets(cfg, mesh), mesh=mesh, state_shardings=state_shardings,
-    )
+def make_spec(cfg: C.ExperimentConfig, mesh: Any, model_config: ModelConfig, graphdef: Any,
+              state_shardings: Any, *, eos_ids: Sequence[int], pad_id: int) -> ModelSpec:
+    """What the run's generation programs need of its model (prompt buckets, shardings of the mesh)."""
+    return ModelSpec(graphdef, model_config, eos_ids=tuple(eos_ids), pad_id=pad_id,
+                     prompt_buckets=length_buckets(cfg.rollout.max_prompt_tokens, cfg.rollout.length_buckets),
+                     mesh=mesh, state_shardings=state_shardings)
+
+
+def make_sampler(cfg: C.ExperimentConfig, spec: ModelSpec, mesh: Any) -> Sampler:
+    """The lockstep sampler of ``cfg`` (row buckets of the mesh)."""
+    return Sampler(spec, batch_buckets=sampler_batch_buckets(cfg, mesh))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,13 +361,15 @@ class RunParts:
     tokenizer: Tokenizer
     model_config: ModelConfig
     graphdef: Any
-    sampler: Sampler
+    spec: ModelSpec
     task_sampler: TaskSampler
     train_runner: MetaEpisodeRunner
     eval_runner: MetaEpisodeRunner | IndependentAttemptsRunner
     init_params: Any
     engine: RolloutEngine | None = None
     """The continuous-batching engine every policy of the run streams through; None: lockstep."""
+    sampler: Sampler | None = None
+    """The lockstep sampler (``rollout.engine=lockstep``); None with the engine."""
 
     def policy(self, params: Any, key: jax.Array, *, evaluation: bool) -> Policy:
         """The LLM policy of ``params`` with the training or the evaluation sampling settings."""
@@ -372,8 +379,10 @@ class RunParts:
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             max_new_tokens=r.max_new_tokens,
         )
-        return LLMPolicy(self.tokenizer, self.sampler, params, sampling, key,
-                         max_prompt_tokens=r.max_prompt_tokens, engine=self.engine)
+        generator = self.engine or self.sampler
+        assert generator is not None, "a run has the engine or the lockstep sampler"
+        return LLMPolicy(self.tokenizer, generator, params, sampling, key,
+                         max_prompt_tokens=r.max_prompt_tokens)
 
     def train_step(self) -> TrainStep:
         """The jitted train step of ``cfg.optim`` (AdamW + clipping on its learning-rate schedule)."""
@@ -396,18 +405,25 @@ class GenerationParts:
     model_config: ModelConfig
     graphdef: Any
     params: Any
-    sampler: Sampler
+    spec: ModelSpec
     engine: RolloutEngine | None
+    """The rollout engine; None: ``rollout.engine=lockstep``."""
+    sampler: Sampler | None
+    """The lockstep sampler: built for ``rollout.engine=lockstep`` only (None with the engine)."""
 
 
-def build_generation(cfg: C.ExperimentConfig, tokenizer: Tokenizer, mesh: Any) -> GenerationParts:
-    """The model of ``cfg`` (random or a folder's weights, on ``mesh``), its sampler and its rollout engine
-    (None: ``rollout.engine=lockstep``): what a run generates with, built in this one place (the runs, the
-    engine-parity harness of ``mage_jax.testing``)."""
+def build_generation(cfg: C.ExperimentConfig, tokenizer: Tokenizer, mesh: Any, *,
+                     lockstep: bool = False) -> GenerationParts:
+    """The model of ``cfg`` (random or a folder's weights, on ``mesh``), its spec and what generates with
+    it: the rollout engine, or with ``rollout.engine=lockstep`` the lockstep sampler (``lockstep``: that
+    sampler too, beside an engine: the engine-parity harness of ``mage_jax.testing``). The one place a
+    run's generation is built."""
     model_config, graphdef, params = build_model(cfg, tokenizer, mesh)
-    sampler = make_sampler(cfg, mesh, model_config, graphdef, shd.param_shardings(params, mesh),
-                           eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
-    return GenerationParts(model_config, graphdef, params, sampler, make_engine(cfg, sampler, mesh))
+    spec = make_spec(cfg, mesh, model_config, graphdef, shd.param_shardings(params, mesh),
+                     eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
+    engine = make_engine(cfg, spec, mesh)
+    sampler = make_sampler(cfg, spec, mesh) if engine is None or lockstep else None
+    return GenerationParts(model_config, graphdef, params, spec, engine, sampler)
 
 
 def build_parts(cfg: C.ExperimentConfig, run_dir: str | None, *, eval_mode: str = "meta") -> RunParts:
@@ -420,24 +436,25 @@ def build_parts(cfg: C.ExperimentConfig, run_dir: str | None, *, eval_mode: str 
     gen = build_generation(cfg, tokenizer, mesh)
     return RunParts(
         cfg=cfg, mesh=mesh, tokenizer=tokenizer, model_config=gen.model_config, graphdef=gen.graphdef,
-        sampler=gen.sampler, task_sampler=task_sampler,
+        spec=gen.spec, task_sampler=task_sampler,
         train_runner=make_runner(cfg, num_episodes=cfg.rollout.num_episodes), eval_runner=eval_runner,
-        init_params=gen.params, engine=gen.engine,
+        init_params=gen.params, engine=gen.engine, sampler=gen.sampler,
     )
 
 
-def make_engine(cfg: C.ExperimentConfig, sampler: Sampler, mesh: Any) -> RolloutEngine | None:
-    """The rollout engine of ``cfg`` (None for ``rollout.engine=lockstep``). Slots: ``rollout.engine_slots``,
-    or the sampler's largest row bucket (the largest rollout, capped at ``rollout.max_decode_rows``) and
-    at most 64; always a multiple of the mesh's batch ways so they shard with the rows."""
+def make_engine(cfg: C.ExperimentConfig, spec: ModelSpec, mesh: Any) -> RolloutEngine | None:
+    """The rollout engine of ``cfg`` over the compiled slot programs (None for ``rollout.engine=lockstep``).
+    Slots: ``rollout.engine_slots``, or the sampler's largest row bucket (the largest rollout, capped at
+    ``rollout.max_decode_rows``) and at most 64; always a multiple of the mesh's batch ways so they shard
+    with the rows."""
     r = cfg.rollout
     if r.engine == "lockstep":
         return None
     batch_axis = mesh.shape["data"] * mesh.shape["fsdp"]
     slots = r.engine_slots or min(sampler_batch_buckets(cfg, mesh)[-1], 64)
     slots = -(-slots // batch_axis) * batch_axis
-    return RolloutEngine(sampler, slots=slots, chunk=r.engine_chunk, window_levels=r.engine_windows,
-                         max_new_tokens=r.max_new_tokens)
+    return compiled_engine(spec, slots=slots, chunk=r.engine_chunk, window_levels=r.engine_windows,
+                           max_new_tokens=r.max_new_tokens)
 
 
 def evaluation_key(base_key: jax.Array, iteration: int) -> jax.Array:

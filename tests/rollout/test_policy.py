@@ -9,6 +9,8 @@ from flax import nnx
 
 from mage_jax.generate.constraints import TokenAutomaton, WordSequence
 from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.slots import compiled_engine
+from mage_jax.generate.spec import ModelSpec
 from mage_jax.generate.step import SamplingParams
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
@@ -59,14 +61,9 @@ def kuhn_llm():
     tokenizer = Tokenizer.word_level(corpus + list(ACTIONS) + ["<remark> " + " ".join(WORDS) + " </remark>"])
     config = ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size, **SMALLEST_DECODER)
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
-    sampler = Sampler(
-        graphdef,
-        config,
-        eos_ids=tokenizer.eos_ids,
-        pad_id=tokenizer.pad_id,
-        prompt_buckets=(256,),
-        batch_buckets=(8,),
-    )
+    spec = ModelSpec(graphdef, config, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
+                     prompt_buckets=(256,))
+    sampler = Sampler(spec, batch_buckets=(8,))
     return tasks, tokenizer, sampler, state
 
 
@@ -162,13 +159,11 @@ class CountingBackend:
 
 
 def test_the_engine_stream_tokenizes_the_prompts_submitted_together_in_one_call(kuhn_llm):
-    from mage_jax.generate.engine import RolloutEngine
 
     _, tokenizer, sampler, state = kuhn_llm
     counting = CountingTokenizer(tokenizer)
-    engine = RolloutEngine(sampler, slots=2, max_new_tokens=3, chunk=3)
-    policy = LLMPolicy(counting, sampler, state, SamplingParams(max_new_tokens=3), jax.random.key(0), 6,
-                       engine=engine)
+    engine = compiled_engine(sampler.spec, slots=2, max_new_tokens=3, chunk=3)
+    policy = LLMPolicy(counting, engine, state, SamplingParams(max_new_tokens=3), jax.random.key(0), 6)
     stream = policy.stream()
     requests = [GenerationRequest("BET"), GenerationRequest("PASS " * 50), GenerationRequest("PASS BET"),
                 GenerationRequest("BET", ACTIONS)]
@@ -184,12 +179,10 @@ def test_the_engine_stream_tokenizes_the_prompts_submitted_together_in_one_call(
 
 
 def test_policies_over_one_engine_share_their_automata_so_the_bank_factorises_each_once(kuhn_llm):
-    from mage_jax.generate.engine import RolloutEngine
-
     _, tokenizer, sampler, state = kuhn_llm
-    engine = RolloutEngine(sampler, slots=2, max_new_tokens=3, chunk=3)
-    first, second = (LLMPolicy(tokenizer, sampler, state, SamplingParams(max_new_tokens=3), jax.random.key(k),
-                               engine=engine) for k in range(2))
+    engine = compiled_engine(sampler.spec, slots=2, max_new_tokens=3, chunk=3)
+    first, second = (LLMPolicy(tokenizer, engine, state, SamplingParams(max_new_tokens=3), jax.random.key(k))
+                     for k in range(2))
     automaton = first.automaton(ACTIONS)
     assert second.automaton(ACTIONS) is automaton  # a policy per rollout, the automaton built once per run
     assert engine.bank.index(automaton) == engine.bank.index(second.automaton(ACTIONS)) == 1
