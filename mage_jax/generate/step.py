@@ -68,11 +68,8 @@ class SamplingParams:
 
 TOP_K_CAP = 64
 """Top-k up to this many tokens draws from ``lax.top_k(logits, TOP_K_CAP)`` (about one pass over the
-vocabulary per row); a larger k, and top-p without top-k, sort the whole vocabulary per row and step, as
-the compile-time path did for top-p. Measured on this CPU (2 shared cores, load ~7) for 64 rows at Qwen's
-151,936 tokens, one ``choose_tokens`` (runtime settings; the compile-time path it replaced in brackets):
-greedy 163 ms (200), temperature 1 137 ms (165), top-k 20 + top-p 0.8 149 ms (192), top-p 0.8 alone
-(a sort) about 4 s. The log-softmax over the vocabulary, common to all, is most of the first three."""
+vocabulary per row); a larger k, and top-p without top-k, sort the whole vocabulary per row and step
+(their cost: docs/performance.md, "Fewer programs")."""
 
 # How a step draws (``Sampling.mode``), chosen on the host from ``SamplingParams``; a ``lax.switch`` in
 # the program runs only the chosen branch.

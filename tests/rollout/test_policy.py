@@ -90,7 +90,7 @@ def test_llm_policy_plays_constrained_kuhn_meta_episodes_end_to_end(kuhn_llm):
     assert len({id(r.constraint) for r in play}) == 1  # one automaton per distinct legal set
     batch = pack_rows(result.rows, row_bucket=8, length_buckets=(128, 256), pad_id=tokenizer.pad_id)
     transitions = batch.row_transitions()
-    assert transitions.shape[0] == batch.shape[0] and transitions.shape[2] == sampler.vocab_size
+    assert transitions.shape[0] == batch.shape[0] and transitions.shape[2] == sampler.spec.vocab_size
 
 
 def test_llm_policy_skips_prompts_it_cannot_feed_to_the_model(kuhn_llm):
@@ -116,7 +116,7 @@ def test_constrained_reflections_are_sampled_under_the_automaton_the_train_step_
     assert {t for o in result.outcomes for t in o.reflections} <= {
         " ".join(w) for m in (1, 2) for w in itertools.product(WORDS, repeat=m)}
     packed = pack_rows(result.rows, row_bucket=8, length_buckets=(256,), pad_id=tokenizer.pad_id)
-    step = TrainStep(sampler.graphdef, None, None, StepConfig(constraint_len=6, chunk_size=64),
+    step = TrainStep(sampler.spec.graphdef, None, None, StepConfig(constraint_len=6, chunk_size=64),
                      shd.make_mesh(shd.MeshConfig(data=1, fsdp=1, tensor=1)))
     batch = TrainBatch.from_packed(packed, np.arange(packed.tokens.shape[0]), constrained=True)
     got = np.asarray(step.compute_logprobs(state, step.place_batch(batch)))
