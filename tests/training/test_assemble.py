@@ -56,7 +56,7 @@ def test_constrained_reflection_words_join_the_vocabulary_and_a_resumed_one_must
     cfg = C.validate(C.apply_overrides(C.ExperimentConfig(), words))
     tok = build_tokenizer(cfg, str(tmp_path), make_task_sampler(cfg))
     assert tok.single_token_id("zebra") is not None  # a word no prompt holds
-    assert runner_config(cfg, num_episodes=3).reflection_words == ("bets", "zebra")
+    assert runner_config(cfg, num_episodes=3).rollout.reflection_words == ("bets", "zebra")
     assert constraint_length(cfg) == 8
     assert constraint_length(C.apply_overrides(cfg, {"rollout.max_reflection_tokens": 12})) == 12
     assert constraint_length(C.apply_overrides(cfg, {"rollout.reflection_words": [],
