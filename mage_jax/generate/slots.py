@@ -611,7 +611,17 @@ def compiled_engine(spec: ModelSpec, *, slots: int, max_new_tokens: int, chunk: 
                     slot_levels: int = DEFAULT_SLOT_LEVELS, insert_rows: int = DEFAULT_INSERT_ROWS,
                     window_levels: int = 1, overlap: bool = True) -> RolloutEngine:
     """The rollout engine of ``spec`` over the process's compiled slot programs of these shapes
-    (``CompiledSlotPrograms.shared``)."""
+    (``CompiledSlotPrograms.shared``: another engine of the same model and shapes, in this run or the next
+    one of the process, reuses them).
+
+    ``slots``: concurrent rows (a multiple of the mesh's data x fsdp ways); ``max_new_tokens``: the longest
+    response; ``chunk``: decode steps between host checks; ``slot_levels``: slot buckets (all slots, 1/4,
+    ...); ``insert_rows``: requests one insert starts per device block (more are split);
+    ``window_levels``: the cache prefixes a chunk may attend over, the whole cache, its half, its quarter,
+    ... (one decode program each per slot bucket); a chunk takes the smallest that holds its furthest
+    slot's next writes, from the host's bound of every slot's write position (its insert's bucket plus
+    the steps of its chunks), so choosing one reads nothing back and waits for no insert. 1: always the
+    whole cache. ``overlap``: ``RolloutEngine``'s."""
     programs = CompiledSlotPrograms.shared(spec, slots=slots, max_new_tokens=max_new_tokens, chunk=chunk,
                                            slot_levels=slot_levels, insert_rows=insert_rows,
                                            window_levels=window_levels)
