@@ -15,12 +15,15 @@ Every experiment module (``python -m experiments.<name>``) accepts the same flag
 Every problem with the command line or the resulting config is reported as ONE line on stderr
 (``error: ...``) with exit status 2, before anything is written; problems found while the run is
 built (``training.run``) are one line too and leave nothing behind. Exit status of a run: 0 finished;
-3 stopped because training cannot make progress (one ``error:`` line); 75 interrupted by SIGTERM or
-Ctrl-C (checkpoint saved, the ``--resume`` command printed); 130 a second Ctrl-C (nothing saved).
+3 stopped because training cannot make progress (one ``error:`` line); 4 an environment failed (a
+worker died, raised or stopped answering; one ``error:`` line); 75 interrupted by SIGTERM or Ctrl-C
+(checkpoint saved, the ``--resume`` command printed); 130 a second Ctrl-C, or a Ctrl-C before the run
+started (nothing saved). docs/reliability.md lists every promise and the test behind it.
 
 Resume: the saved config is the run's; only the keys of ``RESUMABLE_KEYS`` may change (anything else
-is one line, and nothing is rewritten). A run marked finished (``finished.json``) is reported
-finished, unless ``--train.iterations`` asks for more.
+is one line, and nothing is rewritten; so is a ``config.json`` edited by hand since its checkpoint).
+A run marked finished (``finished.json``) is reported finished, unless ``--train.iterations`` asks for
+more.
 """
 
 from __future__ import annotations
@@ -36,26 +39,27 @@ from typing import Any
 
 from mage_jax import compilation_cache
 from mage_jax import config as C
+from mage_jax.envs.workers import EnvWorkerError
 from mage_jax.models.hub import resolve_model_path
 from mage_jax.models.sharding import initialize_from_environment
 from mage_jax.training.health import TrainingStopped
 from mage_jax.training.run import EvaluationInterrupted, finished_iteration
+from mage_jax.training.signals import EXIT_SECOND_INTERRUPT, hold_until_exit
 
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_STOPPED = 3
 """The run stopped because it cannot make progress (``TrainingStopped``: updates keep being skipped, or
 an iteration has no valid row); one ``error:`` line names the cause and the last checkpoint."""
+EXIT_ENVIRONMENT_FAILED = 4
+"""An environment failed: a worker process died, an environment raised inside one, or a worker sent
+nothing for ``env.reply_timeout`` seconds. One ``error:`` line names the environment, the meta-episode and
+the operation; nothing after the last checkpoint was saved, and the ``--resume`` command is printed."""
 EXIT_INTERRUPTED = 75
 """SIGTERM / SIGINT: a checkpoint was saved and the exact ``--resume`` command printed (EX_TEMPFAIL: a
 scheduler may simply run that command again); an evaluation-only run stops at its next turn and says
-what its directory holds. A second Ctrl-C exits at once with 130, saving nothing."""
-RESUMABLE_KEYS = ("train.iterations", "train.eval_every", "checkpoint.every", "checkpoint.keep",
-                  "checkpoint.stop_during_updates", "logging.", "compile.", "model.overrides.scan_layers")
-"""What ``--resume`` may change: how long the run goes on, its evaluation and checkpoint cadences, its
-logging, where compiled programs are cached, and the decoder blocks' layout (the checkpoint restores
-only in the layout it was saved in, so this can only name that one: a run saved before its preset
-scanned its blocks resumes with ``--model.overrides.scan_layers false``). Everything else (shapes,
-data, algorithm) is the run's and stays as saved."""
+what its directory holds. A second Ctrl-C exits at once with 130, saving nothing (so does a Ctrl-C
+before the run started, while it was being built)."""
+RESUMABLE_KEYS = C.RESUMABLE_KEYS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,38 +254,13 @@ def parse_command_line(
 
 def _check_resume_overrides(saved: C.ExperimentConfig, cfg: C.ExperimentConfig) -> None:
     """One ConfigError naming the first changed key that ``--resume`` may not change."""
-    before, after = _entries(C.to_dict(saved)), _entries(C.to_dict(cfg))
-    for key in [*after, *(k for k in before if k not in after)]:
-        value = after.get(key)
-        if key != "logging.run_dir" and before.get(key) != value and not key.startswith(RESUMABLE_KEYS):
-            raise C.ConfigError(
-                f"--resume cannot change {key} (saved {before.get(key)!r}, asked {value!r}); a resumed run "
-                f"may change only {', '.join(k.rstrip('.') for k in RESUMABLE_KEYS)}; start a new run with "
-                "another --run-dir for the rest")
-
-
-def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping) and prefix + k not in _DICT_KEYS:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-_DICT_KEYS = frozenset(C.all_keys())
-
-
-def _entries(d: Mapping[str, Any]) -> dict[str, Any]:
-    """``_flat``, with each entry of a dict-valued key (``model.overrides``) a key of its own."""
-    out: dict[str, Any] = {}
-    for key, value in _flat(d).items():
-        if isinstance(value, Mapping):
-            out.update({f"{key}.{k}": v for k, v in value.items()})
-        else:
-            out[key] = value
-    return out
+    changed = C.resume_changes(C.to_dict(saved), cfg)
+    if changed:
+        key, before, value = changed[0]
+        raise C.ConfigError(
+            f"--resume cannot change {key} (saved {before!r}, asked {value!r}); a resumed run "
+            f"may change only {', '.join(k.rstrip('.') for k in RESUMABLE_KEYS)}; start a new run with "
+            "another --run-dir for the rest")
 
 
 def check_consistent(cfg: C.ExperimentConfig, preset: str | None = None) -> None:
@@ -320,28 +299,72 @@ def run_cli(
     run: Callable[[C.ExperimentConfig, RunOptions], Any],
     **parse_kwargs: Any,
 ) -> int:
-    """Parse, validate and run; configuration problems print one ``error:`` line and return 2.
+    """Parse, validate and run; every expected failure is one line on stderr and a documented exit
+    status (the module docstring; docs/reliability.md), never a traceback.
 
-    A process of a multi-process run (``MAGE_DISTRIBUTED=1``, docs/scaling.md) joins it first."""
+    A process of a multi-process run (``MAGE_DISTRIBUTED=1``, docs/scaling.md) joins it first. In a
+    command's own process, once the run has ended, a signal during the interpreter's exit ends it at
+    once (``signals.hold_until_exit``)."""
     initialize_from_environment()
+    code = _run_cli(argv, run, **parse_kwargs)
+    hold_until_exit(code)
+    return code
+
+
+def _run_cli(argv: Sequence[str] | None, run: Callable[[C.ExperimentConfig, RunOptions], Any],
+             **parse_kwargs: Any) -> int:
+    options: RunOptions | None = None
     try:
         parsed = parse_command_line(argv, **parse_kwargs)
-    except C.ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    if parsed is None:
-        return 0
-    cfg, options = parsed
-    compilation_cache.enable(cfg.compile.cache_dir)
-    try:
+        if parsed is None:
+            return 0
+        cfg, options = parsed
+        compilation_cache.enable(cfg.compile.cache_dir)
         result = run(cfg, options)
-    except C.ConfigError as err:  # problems only visible once parts are built (e.g. mesh vs devices)
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    except TrainingStopped as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_TRAINING_STOPPED
-    except EvaluationInterrupted as err:
+    except EXPECTED_FAILURES as err:  # ConfigError: also problems only visible once parts are built
+        return failure_exit(err, hint=_resume_hint(options, parse_kwargs) if isinstance(err, EnvWorkerError)
+                            else "")
+    return int(result) if isinstance(result, int) else 0
+
+
+EXPECTED_FAILURES = (C.ConfigError, TrainingStopped, EnvWorkerError, EvaluationInterrupted, KeyboardInterrupt)
+"""What a command reports in one line with its exit status (``failure_exit``) instead of a traceback."""
+
+
+def failure_exit(err: BaseException, *, hint: str = "",
+                 interrupted: str = "interrupted before the run started: nothing was saved") -> int:
+    """Print the one line of an expected failure (``EXPECTED_FAILURES``) and return its exit status:
+    ConfigError 2, TrainingStopped 3, EnvWorkerError 4 (``hint``: how to continue), an interrupted
+    evaluation 75, a Ctrl-C before any handler of the run was set 130 (the line ``interrupted``)."""
+    if isinstance(err, KeyboardInterrupt):
+        print(interrupted, file=sys.stderr)
+        return EXIT_SECOND_INTERRUPT
+    if isinstance(err, EvaluationInterrupted):
         print(err, file=sys.stderr)
         return EXIT_INTERRUPTED
-    return int(result) if isinstance(result, int) else 0
+    code = {C.ConfigError: EXIT_CONFIG_ERROR, TrainingStopped: EXIT_TRAINING_STOPPED,
+            EnvWorkerError: EXIT_ENVIRONMENT_FAILED}
+    print(f"error: {err}{hint}", file=sys.stderr)
+    return next(c for kind, c in code.items() if isinstance(err, kind))
+
+
+def run_command(body: Callable[[], int], *,
+                interrupted: str = "interrupted: stopped at once; finished runs are kept") -> int:
+    """A command that is not one run (``table1``, the ablations): ``body``'s status, every expected
+    failure one line (``failure_exit``), and in the command's own process a signal during its exit ends
+    it at once (``signals.hold_until_exit``)."""
+    try:
+        code = body()
+    except EXPECTED_FAILURES as err:
+        code = failure_exit(err, interrupted=interrupted)
+    hold_until_exit(code)
+    return code
+
+
+def _resume_hint(options: RunOptions | None, parse_kwargs: Mapping[str, Any]) -> str:
+    """How to continue a run that an environment failure stopped (nothing after its last checkpoint was
+    saved); empty when the run never wrote its config."""
+    if options is None or not os.path.isfile(os.path.join(options.run_dir, C.CONFIG_FILE)):
+        return ""
+    return (f"; nothing after the last checkpoint was saved; continue with: python -m experiments."
+            f"{parse_kwargs.get('experiment')} --run-dir {options.run_dir} --resume")

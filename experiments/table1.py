@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from experiments.baselines import METHODS, PAPER_TABLE1
-from experiments.common import ConfigErrorParser, split_dotted
+from experiments.common import ConfigErrorParser, run_command, split_dotted
 from experiments.environments import ENVIRONMENTS, environment
 from experiments.suite import (
     Aggregate,
@@ -99,11 +99,7 @@ def heldout_table(records: Sequence[RunRecord], headline: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except C.ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command(lambda: _main(argv))
 
 
 def _main(argv: Sequence[str] | None) -> int:

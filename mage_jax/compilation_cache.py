@@ -8,11 +8,17 @@ since the programs depend only on the shapes, the model and the JAX version, nev
 Where: the config key ``compile.cache_dir`` if set, else the environment variable
 ``MAGE_COMPILATION_CACHE``, else a folder JAX was already given (``JAX_COMPILATION_CACHE_DIR``),
 else ``$XDG_CACHE_HOME/mage-jax/jax`` (``~/.cache/mage-jax/jax``). ``off`` (key or variable) turns it off.
+
+A folder that cannot be used (the path is a file, a parent is a file, no write permission) costs
+only speed: one ``warning:`` line names it and the reason, and the run compiles without the cache. (JAX
+would otherwise raise, or warn once for every program it fails to write.)
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 
 import jax
 
@@ -34,16 +40,33 @@ def resolve(setting: str | None) -> str | None:
     return jax.config.jax_compilation_cache_dir or default_dir()
 
 
+def unusable(folder: str) -> str | None:
+    """Why ``folder`` cannot hold the cache (None: it can): it is created when missing and a file is
+    written in it and removed, as JAX will."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".mage-write-check-"):
+            pass
+    except OSError as err:
+        return err.strerror or type(err).__name__
+    return None
+
+
 def enable(setting: str | None) -> str | None:
     """Point JAX's persistent cache at ``resolve(setting)`` (caching every program, however quick to
     compile: on a CPU most take well under JAX's default one-second threshold) and return the folder;
-    when the cache is off, turn JAX's off too (also one named by ``JAX_COMPILATION_CACHE_DIR``) and
-    return None. Call it before the first compile."""
+    when the cache is off, or its folder cannot be used (one ``warning:`` line), turn JAX's off too (also
+    one named by ``JAX_COMPILATION_CACHE_DIR``) and return None. Call it before the first compile."""
     from jax.experimental.compilation_cache import compilation_cache
 
     folder = resolve(setting)
     if folder is not None:
-        os.makedirs(folder, exist_ok=True)
+        problem = unusable(folder)
+        if problem is not None:
+            print(f"warning: the compilation cache {folder!r} cannot be used ({problem}); compiling without "
+                  f"it (set compile.cache_dir or {ENV_VAR} to a writable folder, or 'off')", file=sys.stderr)
+            folder = None
+    if folder is not None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     jax.config.update("jax_compilation_cache_dir", folder)

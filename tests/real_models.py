@@ -41,7 +41,7 @@ def cache_root() -> Path:
 def _stamp_of(gguf_file: str) -> dict:
     st = os.stat(gguf_file)
     return {"gguf": os.path.basename(gguf_file), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "dtype": "float32"}
+            "dtype": "float32", "converter": "gguf+numpy"}  # a folder built another way is rebuilt
 
 
 def _complete(folder: Path, stamp: dict) -> bool:

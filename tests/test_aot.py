@@ -32,3 +32,25 @@ def test_the_rollout_lowers_the_engines_insert_and_decode_or_the_lockstep_progra
         assert memory.alias_size_in_bytes >= cache_bytes  # and is donated: written in place
     (name,) = aot.lower_rollout(sampler, None, params, sampling)  # rollout.engine=lockstep
     assert name == "lockstep"
+
+
+def test_the_lowered_rollout_programs_take_the_largest_shapes_the_run_can_send():
+    """The insert is lowered for prompts of the longest bucket (a shorter one would plan the memory of a
+    smaller program than the run compiles) and the decode over every slot and the whole cache."""
+    config = ModelConfig.preset("tiny", vocab_size=64, num_layers=1, hidden_size=32, intermediate_size=64)
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    params = jax.eval_shape(lambda: state)
+    spec = ModelSpec(graphdef, config, eos_ids=(3,), pad_id=0, prompt_buckets=(8, 16))
+    programs = CompiledSlotPrograms(spec, slots=4, max_new_tokens=6, chunk=2)
+    lowered = aot.lower_rollout(None, programs, params, SamplingParams(temperature=1.0, max_new_tokens=6))
+    (_, slots, tokens, valid, *_), _ = lowered["insert"].args_info
+    rows = programs.insert_rows * programs.ways
+    assert tokens.shape == valid.shape == (rows, 16)  # the longest prompt bucket, not 8
+    (_, decoded, *_), _ = lowered["decode"].args_info
+    for program_slots in (slots, decoded):
+        keys = jax.tree.leaves(program_slots)[0]
+        assert keys.shape[0] == 4 and 16 + 6 in keys.shape  # every slot, the whole cache
+    sampler = Sampler(spec, batch_buckets=(4,))
+    (lockstep,) = aot.lower_rollout(sampler, None, params, SamplingParams(max_new_tokens=6)).values()
+    (_, _, prompts, *_), _ = lockstep.args_info
+    assert prompts.shape[-1] == 16

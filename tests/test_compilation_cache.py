@@ -39,12 +39,17 @@ sys.exit(run_cli(sys.argv[1:], run, experiment="kuhn_poker", presets=kuhn_poker.
 """
 
 
-def _run(tmp_path: Path, *args: str, env: dict[str, str]) -> dict:
+def _process(tmp_path: Path, *args: str, env: dict[str, str], prefix: tuple[str, ...] = ()
+             ) -> subprocess.CompletedProcess:
     child_env = {k: v for k, v in os.environ.items()
                  if k != compilation_cache.ENV_VAR and not k.startswith("JAX_")}  # not the suite's cache
     child_env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), **env)
-    done = subprocess.run([sys.executable, "-c", CHILD, "--run-dir", str(tmp_path / "run"), *args],
+    return subprocess.run([*prefix, sys.executable, "-c", CHILD, "--run-dir", str(tmp_path / "run"), *args],
                           cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=300)
+
+
+def _run(tmp_path: Path, *args: str, env: dict[str, str]) -> dict:
+    done = _process(tmp_path, *args, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -86,3 +91,39 @@ def test_resolution_order(monkeypatch, tmp_path):
     assert compilation_cache.resolve(None) == os.path.expanduser("~/elsewhere")
     assert compilation_cache.resolve(str(tmp_path / "k")) == str(tmp_path / "k")
     assert compilation_cache.resolve("OFF") is None
+
+
+def _without_root_override() -> tuple[str, ...]:
+    """A command prefix under which a read-only folder is read-only: nothing for a normal user; for root
+    (who writes anywhere) ``setpriv`` without the capabilities that override file permissions."""
+    if os.geteuid() != 0:
+        return ()
+    return ("setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search")
+
+
+@pytest.mark.parametrize("problem", ["a file", "under a file", "in a read-only folder"])
+def test_a_cache_folder_that_cannot_be_used_is_one_warning_and_the_run_compiles_without_it(tmp_path, problem):
+    """The cache only saves time: a folder that cannot hold it is one warning line (not a traceback, not
+    one JAX warning per program), and the run goes on without the cache and exits 0."""
+    prefix: tuple[str, ...] = ()
+    if problem == "a file":
+        folder = tmp_path / "cache"
+        folder.write_text("not a folder")
+    elif problem == "under a file":
+        (tmp_path / "file").write_text("not a folder")
+        folder = tmp_path / "file" / "cache"
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        folder = locked / "cache"
+        folder.mkdir()
+        (tmp_path / "run").mkdir()
+        os.chmod(folder, 0o555)
+        prefix = _without_root_override()
+    done = _process(tmp_path, "--compile.cache_dir", str(folder), env={}, prefix=prefix)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"hits": 0, "folder": None}
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"warning: the compilation cache {str(folder)!r} cannot be used ("), done.stderr
+    assert "compiling without it" in lines[0]

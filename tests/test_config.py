@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 
@@ -194,3 +195,14 @@ def test_a_choice_set_without_parsing_still_fails_validation():
     message = r"^env.seats must be one of first, second, mixed \(got 'both'\)$"
     with pytest.raises(C.ConfigError, match=message):
         C.validate(bad)
+
+
+@pytest.mark.parametrize("key, hint", [
+    ("train.lr", "optim.lr"),  # the name exists in one other section
+    ("train.top_p", "sampling.train.top_p"),  # in two: the closer one
+    ("eval.top_p", "sampling.eval.top_p"),
+    ("optim.lrr", "optim.lr"),  # a misspelling
+])
+def test_an_unknown_key_names_the_known_key_it_most_likely_meant(key, hint):
+    with pytest.raises(C.ConfigError, match=rf"; did you mean '{re.escape(hint)}'\?$"):
+        C.apply_overrides(C.ExperimentConfig(name="kuhn_poker"), {key: "0.5"})

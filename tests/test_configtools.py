@@ -56,3 +56,20 @@ def test_a_dict_round_trips_and_the_generic_checks_name_the_key():
         T.check_finite(Outer(inner=Inner(rate=float("nan"))))
     with pytest.raises(T.ConfigError, match="inner.mode must be one of a, b"):
         T.check_choices(Outer(inner=Inner(mode="z")))
+
+
+@pytest.mark.parametrize("key, hint", [
+    ("rate", "inner.rate"),  # the same name in another section
+    ("inner.rte", "inner.rate"),  # a misspelling
+    ("outer.mode", "inner.mode"),
+    ("inner.sizes", "sizes"),
+])
+def test_an_unknown_key_names_the_closest_key_of_any_section(key, hint):
+    with pytest.raises(T.ConfigError, match=rf"^unknown config key '{key}' .*; did you mean '{hint}'\?$"):
+        T.apply_overrides(Outer(), {key: "1"})
+
+
+def test_an_unknown_key_with_nothing_close_gets_no_guess():
+    with pytest.raises(T.ConfigError) as err:
+        T.apply_overrides(Outer(), {"inner.zzz": "1"})
+    assert "did you mean" not in str(err.value)

@@ -136,3 +136,21 @@ def test_license_is_the_apache_license_that_pyproject_declares():
     assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
     assert "END OF TERMS AND CONDITIONS" in text
     assert "Copyright 2026 The mage-jax authors" in text
+
+
+TEST_REF = re.compile(r"`(?:([\w/]+\.py))?::(test_\w+)")
+
+
+@pytest.mark.parametrize("doc", ["docs/reliability.md", "docs/preemption.md"])
+def test_every_test_a_promise_names_exists(doc):
+    """The reliability and preemption tables back each promise with a test (``path.py::name``, or
+    ``::name`` for another test of the file named before it): each one is a test function of that file."""
+    missing, file = [], None
+    refs = TEST_REF.findall((ROOT / doc).read_text())
+    assert refs
+    for path, name in refs:
+        file = path or file
+        source = (ROOT / "tests" / file).read_text()
+        if not re.search(rf"^def {name}\(", source, re.MULTILINE):
+            missing.append(f"{file}::{name}")
+    assert not missing, missing

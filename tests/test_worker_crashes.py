@@ -10,9 +10,11 @@ import importlib.metadata
 import inspect
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import tomllib
 from pathlib import Path
 
@@ -175,3 +177,42 @@ def test_the_test_extra_bounds_pytest_xdist_to_the_minor_release_the_scheduler_w
     missing = [n for n in XDIST_INTERNALS
                if not (hasattr(LoadScopeScheduling, n) or re.search(rf"self\.{n}\b", source))]
     assert not missing, f"pytest-xdist no longer has {missing}: update tests/worker_crashes.py and the bound"
+
+
+def test_a_run_stopped_by_ctrl_c_says_it_was_interrupted_and_blames_no_worker(tmp_path):
+    """Ctrl-C at the terminal (SIGINT to the process group: pytest and its workers) while tests run: the
+    summary says the run was interrupted and how many tests did not finish, not that workers crashed."""
+    started = tmp_path / "started"
+    files = {
+        "test_a.py": f"""
+            import pathlib, time
+
+            def test_waits():
+                pathlib.Path({str(started)!r}).touch()
+                time.sleep(60)
+            def test_after(): pass
+        """,
+        "test_b.py": PASSING,
+        "test_c.py": PASSING,
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    command = [sys.executable, "-m", "pytest", "-p", "tests.worker_crashes", "-p", "no:cacheprovider", "-rA",
+               "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"]
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the waiting test never started"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 2, stdout[-3000:]  # pytest's "interrupted"
+    assert "worker crashes" not in stdout, stdout[-3000:]
+    assert re.search(r"interrupted: [1-9][0-9]* tests did not run to the end", stdout), stdout[-3000:]

@@ -23,7 +23,8 @@ time limit and prints no summary.
 A crash that a rerun survives is still printed in full (faulthandler's stack, the summary's
 "worker crashes" section), so a flaky native crash stays visible without failing the run. If the run
 ends with a test still owed its rerun, or with files never run (xdist stops replacing workers after
-``--max-worker-restart`` crashes), it fails, naming them. (A crash in a test's teardown, after its
+``--max-worker-restart`` crashes), it fails, naming them. A run stopped by Ctrl-C says it was
+interrupted and how many tests did not finish, and blames no worker. (A crash in a test's teardown, after its
 call passed, reports the test as passed twice.)
 """
 
@@ -37,6 +38,7 @@ from xdist.scheduler import LoadFileScheduling
 
 SCHEDULER = pytest.StashKey["CrashTolerantFileScheduling"]()
 LOST = pytest.StashKey[list]()  # the tests a run ended without finishing, for its summary
+NOT_RUN = pytest.StashKey[int]()  # how many tests an interrupted run (Ctrl-C) left unfinished
 
 CRASH_RERUNS = 1
 """How many times a test its worker died in is run again before its crash counts as a failure."""
@@ -141,7 +143,9 @@ def pytest_report_teststatus(report: pytest.TestReport) -> tuple[str, str, tuple
 def pytest_sessionfinish(session: pytest.Session) -> None:
     scheduler = session.config.stash.get(SCHEDULER, None)
     lost = scheduler.unfinished() if scheduler is not None else []
-    if lost:
+    if lost and session.exitstatus == pytest.ExitCode.INTERRUPTED:  # Ctrl-C: not the workers' doing
+        session.config.stash[NOT_RUN] = len(lost)
+    elif lost:
         session.config.stash[LOST] = lost
         if session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -153,6 +157,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_sep("=", "worker crashes (each test went back to the queue)", yellow=True)
         for report in reruns:
             terminalreporter.write_line(str(report.longrepr))
+    not_run = terminalreporter.config.stash.get(NOT_RUN, 0)
+    if not_run:
+        terminalreporter.write_sep("=", f"interrupted: {not_run} tests did not run to the end", yellow=True)
     lost = terminalreporter.config.stash.get(LOST, [])
     if lost:
         terminalreporter.write_sep("=", f"{len(lost)} tests never finished after worker crashes", red=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 
+from experiments.common import run_command
 from experiments.environments import environment
 from experiments.suite import (
     Aggregate,
@@ -20,7 +20,6 @@ from experiments.suite import (
     variant_config,
     variant_protocol,
 )
-from mage_jax import config as C
 
 GAMES = ("kuhn_poker", "tic_tac_toe")
 
@@ -41,11 +40,7 @@ class Ablation:
     """More markdown after the common table, from the runs, their aggregates and the headline split."""
 
     def main(self, argv: Sequence[str] | None = None) -> int:
-        try:
-            return self._main(argv)
-        except C.ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+        return run_command(lambda: self._main(argv))
 
     def _main(self, argv: Sequence[str] | None) -> int:
         args = parse_suite_args(argv, name=f"ablations.{self.name}", description=self.title,

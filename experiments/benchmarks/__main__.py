@@ -32,6 +32,8 @@ BENCHMARKS = (
               "responses", "docs/rollout_engine.md"),
     Benchmark("rollout_host", "tool", "the host side of a rollout (runner, tokenization, automata, engine "
               "scheduling) over stand-in device programs", "docs/rollout_engine.md"),
+    Benchmark("iteration", "tool", "one training iteration of a preset on a real model folder, phase by "
+              "phase (rollout, log-prob passes, updates): wall, CPU and compile seconds", "docs/results.md"),
     Benchmark("decode_layout", "tool", "decoding with the blocks under a scan against unrolled blocks",
               "docs/performance.md"),
     Benchmark("startup", "tool", "the main job cold and warm: wall seconds, programs compiled, cache hits",
@@ -58,7 +60,7 @@ SUPPORT = {
 
 def index() -> str:
     """The index as text: one line per benchmark, then the support modules."""
-    width = max(len(b.name) for b in BENCHMARKS)
+    width = max(len(name) for name in [*(b.name for b in BENCHMARKS), *SUPPORT])
     lines = ["python -m experiments.benchmarks.NAME --help   (JSON to --out; tool: rerun on changes, "
              "study: reproduces its doc's numbers)", ""]
     lines += [f"  {b.name:<{width}}  {b.kind:<5}  {b.what} ({b.doc})" for b in BENCHMARKS]

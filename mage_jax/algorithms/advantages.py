@@ -63,6 +63,9 @@ class AdvantageConfig:
     length_penalty: float = 0.0
     """c_len (needs ``max_response_length``, M)."""
     max_response_length: int | None = None
+    """M of play rows."""
+    max_reflection_length: int | None = None
+    """M of reflect rows (their own generation limit); None: ``max_response_length``."""
     epsilon: float = 1e-6
 
     def __post_init__(self):
@@ -80,6 +83,9 @@ class AdvantageConfig:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
         if self.length_penalty > 0 and (self.max_response_length is None or self.max_response_length <= 0):
             raise ValueError("length_penalty > 0 needs a positive max_response_length (M)")
+        if self.max_reflection_length is not None and self.max_reflection_length <= 0:
+            raise ValueError(
+                f"max_reflection_length must be positive or None, got {self.max_reflection_length}")
 
     @property
     def effective_gamma_traj(self) -> float:
@@ -100,6 +106,8 @@ class AdvantageConfig:
             invalid_penalty=f32(self.invalid_penalty),
             length_penalty=f32(self.length_penalty),
             max_response_length=f32(self.max_response_length if self.length_penalty > 0 else 0),
+            max_reflection_length=f32((self.max_reflection_length or self.max_response_length)
+                                      if self.length_penalty > 0 else 0),
             epsilon=f32(self.epsilon),
         )
 
@@ -117,7 +125,8 @@ class AdvantageParams:
     local_anchor: jax.Array  # bool: anchors are (anchor, episode)
     invalid_penalty: jax.Array
     length_penalty: jax.Array
-    max_response_length: jax.Array  # 0: no length penalty
+    max_response_length: jax.Array  # M of play rows; 0: no length penalty
+    max_reflection_length: jax.Array  # M of reflect rows; 0: no length penalty
     epsilon: jax.Array
 
 
@@ -132,7 +141,8 @@ class Credit:
 
 
 def _penalties(rows: RowBatch, p: AdvantageParams) -> jax.Array:
-    return _row_penalties(rows, p.invalid_penalty, p.length_penalty, p.max_response_length)
+    return _row_penalties(rows, p.invalid_penalty, p.length_penalty, p.max_response_length,
+                          p.max_reflection_length)
 
 
 @jax.jit

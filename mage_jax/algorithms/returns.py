@@ -224,11 +224,15 @@ def _length_limit(max_response_length: int | None) -> int:
 
 
 @jax.jit
-def _row_penalties(rows: RowBatch, invalid_penalty, length_penalty, max_response_length) -> jax.Array:
+def _row_penalties(rows: RowBatch, invalid_penalty, length_penalty, max_response_length,
+                   max_reflection_length) -> jax.Array:
     penalty = jnp.where(rows.invalid, jnp.asarray(invalid_penalty, jnp.float32), 0.0)
-    half = jnp.maximum(jnp.asarray(max_response_length, jnp.float32), 1.0) / 2.0
+    # Each row against its own limit M: play rows the play limit, reflect rows the reflection limit.
+    limit = jnp.where(rows.is_reflect, jnp.asarray(max_reflection_length, jnp.float32),
+                      jnp.asarray(max_response_length, jnp.float32))
+    half = jnp.maximum(limit, 1.0) / 2.0
     excess = jnp.clip((rows.response_length.astype(jnp.float32) - half) / half, 0.0, 1.0)
-    penalty = penalty + jnp.where(max_response_length > 0, length_penalty * excess, 0.0)
+    penalty = penalty + jnp.where(limit > 0, length_penalty * excess, 0.0)
     return jnp.where(rows.mask, penalty, 0.0)
 
 
@@ -238,15 +242,19 @@ def row_penalties(
     invalid_penalty: float = 0.0,
     length_penalty: float = 0.0,
     max_response_length: int | None = None,
+    max_reflection_length: int | None = None,
 ) -> jax.Array:
     """Training-only penalty p ≥ 0 of each row (subtracted from the row score e, never from G).
 
-    Invalid action or missing ``<remark>``: c_invalid. Response length L above half of the maximum
-    M: c_len · min(1, (L - M/2) / (M/2)). ``max_response_length=None`` disables the length term.
-    Both coefficients default to 0 (no penalty): a run's values are set once, by
-    ``mage_jax.config.AlgorithmConfig``.
+    Invalid action or missing ``<remark>``: c_invalid. Response length L above half of the row's own
+    maximum M: c_len · min(1, (L - M/2) / (M/2)), where M is ``max_response_length`` for play rows and
+    ``max_reflection_length`` (default: the play limit) for reflect rows, the limits they were
+    generated under. ``max_response_length=None`` disables the length term. Both coefficients default
+    to 0 (no penalty): a run's values are set once, by ``mage_jax.config.AlgorithmConfig``.
     """
-    return _row_penalties(rows, invalid_penalty, length_penalty, _length_limit(max_response_length))
+    play = _length_limit(max_response_length)
+    reflect = play if max_reflection_length is None or not play else _length_limit(max_reflection_length)
+    return _row_penalties(rows, invalid_penalty, length_penalty, play, reflect)
 
 
 def row_scores(
@@ -256,11 +264,12 @@ def row_scores(
     invalid_penalty: float = 0.0,
     length_penalty: float = 0.0,
     max_response_length: int | None = None,
+    max_reflection_length: int | None = None,
 ) -> jax.Array:
     """Episode-level row score e: d_n on play rows of episode n, 0 on reflect rows, minus penalties."""
     penalty = row_penalties(
         rows, invalid_penalty=invalid_penalty, length_penalty=length_penalty,
-        max_response_length=max_response_length,
+        max_response_length=max_response_length, max_reflection_length=max_reflection_length,
     )
     return meta_rewards(rows, reward_design) - penalty
 

@@ -24,6 +24,13 @@ request; a worker exits when its socket closes (``close()``, garbage collection,
 main process's death, even by SIGKILL), so none outlives the run and none delays its exit. A worker that
 dies (or an environment that raises inside one) is one ``EnvWorkerError`` naming the environment, the
 task and the exit status.
+
+Deadline: a worker that holds unanswered operations and sends nothing for ``reply_timeout`` seconds (an
+environment looping forever, a stopped or swapped-out process) is one ``EnvWorkerError`` naming the
+environment, the meta-episode and the operation, and its workers are killed: a run never waits on a
+worker forever. The clock restarts with every message of the worker (it answers each slow operation as
+it finishes), so the deadline bounds one operation, not a turn's queue. The default scales with the
+environment (``default_reply_timeout``).
 """
 
 from __future__ import annotations
@@ -56,11 +63,18 @@ __all__ = [
     "Restart",
     "Step",
     "apply_op",
+    "default_reply_timeout",
     "default_workers",
     "serve",
 ]
 
 _CLOSE_TIMEOUT_S = 5.0
+REPLY_TIMEOUT_S = 120.0
+"""The reply deadline of the games (``default_reply_timeout``): a step costs microseconds, so this leaves a
+loaded machine a factor of millions."""
+SLOW_REPLY_TIMEOUT_S = 600.0
+"""The reply deadline of the environments whose class says they are slow (ALFWorld: a reset takes seconds;
+WebShop: a search can take seconds on a large catalogue)."""
 _REPLY_EVERY_S = 0.005
 """A worker answers a batch of operations in one message, or every 5 ms when they are slow."""
 
@@ -161,6 +175,13 @@ def _describe(op: EnvOp) -> str:
     return type(op).__name__.lower()
 
 
+def default_reply_timeout(env_name: str) -> float:
+    """Seconds a worker may hold operations without answering when ``env.reply_timeout`` is not set:
+    ``SLOW_REPLY_TIMEOUT_S`` for the slow environments (``TextEnv.slow_steps``), ``REPLY_TIMEOUT_S`` for
+    the games."""
+    return SLOW_REPLY_TIMEOUT_S if getattr(env_class(env_name), "slow_steps", False) else REPLY_TIMEOUT_S
+
+
 def default_workers(env_name: str) -> int:
     """Worker processes an environment gets when ``env.workers`` is not set: ``min(8, CPUs)`` for the
     environments whose class says they are slow (``TextEnv.slow_steps``: ALFWorld, WebShop), 0 (in
@@ -185,20 +206,29 @@ class EnvPool:
 
     ``submit`` returns the reply at once in process (``workers == 0``) and None with workers (the reply
     comes from ``replies``). Environments are built on their first operation and reused across rollouts.
+    ``reply_timeout``: seconds a worker may hold operations without answering (None:
+    ``default_reply_timeout``; see the module docstring).
     """
 
-    def __init__(self, env_name: str, env_options: Mapping[str, Any] | None = None, workers: int = 0):
+    def __init__(self, env_name: str, env_options: Mapping[str, Any] | None = None, workers: int = 0,
+                 reply_timeout: float | None = None):
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
             raise ValueError(f"env.workers must be a non-negative integer, got {workers!r}")
+        if reply_timeout is not None and not reply_timeout > 0:
+            raise ValueError(f"env.reply_timeout must be > 0 seconds, got {reply_timeout!r}")
         self.env_name = env_name
         self.env_options = dict(env_options or {})
         self.workers = workers
+        self.reply_timeout = float(reply_timeout if reply_timeout is not None
+                                   else default_reply_timeout(env_name))
         self._envs: dict[int, TextEnv] = {}
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         self._pending: dict[int, _Pending] = {}
         self._outbox: dict[int, list[tuple[int, int, EnvOp]]] = {}
         self._next_id = 0
+        self._heard: dict[int, float] = {}
+        """Per worker holding operations: when it last sent a message (or was sent work while idle)."""
         self._finalizer: weakref.finalize | None = None
 
     @property
@@ -231,7 +261,9 @@ class EnvPool:
     def _flush(self) -> None:
         """Send each worker the operations submitted since the last flush, in one message."""
         outbox, self._outbox = self._outbox, {}
+        now = time.monotonic()
         for worker, ops in outbox.items():
+            self._heard.setdefault(worker, now)  # an idle worker's clock starts now; a busy one's runs on
             try:
                 self._conns[worker].send(ops)
             except (BrokenPipeError, ConnectionError, EOFError, OSError):
@@ -240,12 +272,30 @@ class EnvPool:
     def replies(self, timeout: float | None = 0.0) -> list[tuple[int, EnvReply]]:
         """(slot, reply) of the operations finished so far, waiting up to ``timeout`` seconds (None: until
         one arrives) when none is ready. Operations submitted since the last call are sent first, one
-        message per worker. Raises ``EnvWorkerError`` when a worker died or an environment raised."""
+        message per worker. Raises ``EnvWorkerError`` when a worker died, an environment raised, or a
+        worker holding operations sent nothing for ``reply_timeout`` seconds (its workers are then
+        killed)."""
         if not self._pending:
             return []
         self._flush()
+        while True:
+            out = self._receive(wait(self._conns, self._wait_limit(timeout)))
+            self._check_deadline()
+            if out or timeout == 0.0 or not self._pending:
+                return out
+            if timeout is not None:  # waited the whole timeout
+                return out
+
+    def _wait_limit(self, timeout: float | None) -> float | None:
+        """How long a wait may block: ``timeout``, but never past the earliest worker's deadline."""
+        if not self._heard:
+            return timeout
+        left = max(0.0, min(self._heard.values()) + self.reply_timeout - time.monotonic())
+        return left if timeout is None else min(timeout, left)
+
+    def _receive(self, ready: list[Any]) -> list[tuple[int, EnvReply]]:
+        """Read every message that is ready (and those that arrive meanwhile) into (slot, reply) pairs."""
         out: list[tuple[int, EnvReply]] = []
-        ready = wait(self._conns, timeout)
         while ready:
             for conn in ready:
                 worker = self._conns.index(conn)
@@ -253,6 +303,7 @@ class EnvPool:
                     messages = conn.recv()
                 except (EOFError, OSError):
                     self._died(worker)
+                self._heard[worker] = time.monotonic()
                 for op_id, reply in messages:
                     pending = self._pending.pop(op_id, None)
                     if pending is None:  # an operation of an abandoned rollout
@@ -264,12 +315,32 @@ class EnvPool:
                             f"process {worker})", reply.traceback)
                     out.append((pending.slot, reply))
             ready = wait(self._conns, 0) if self._pending else []
+        busy = {p.slot % self.workers for p in self._pending.values()}
+        self._heard = {w: t for w, t in self._heard.items() if w in busy}
         return out
+
+    def _check_deadline(self) -> None:
+        """Kill the workers and raise when one holding operations has been silent past ``reply_timeout``."""
+        now = time.monotonic()
+        for worker, heard in sorted(self._heard.items()):
+            if now - heard < self.reply_timeout:
+                continue
+            proc = self._procs[worker]
+            ops = [i for i, p in self._pending.items() if p.slot % self.workers == worker]
+            waiting = self._pending[min(ops)]  # a worker answers in order: its earliest is running
+            proc.kill()  # stopped or looping: it would not answer a polite close either
+            self.close()
+            raise EnvWorkerError(
+                f"environment {self.env_name!r}: worker process {worker} (pid {proc.pid}) sent nothing for "
+                f"{now - heard:.0f} s while running {_describe(waiting.op)} of "
+                f"{waiting.task or f'slot {waiting.slot}'} (env.reply_timeout={self.reply_timeout:g} s); "
+                "the environment hangs, or its operations take longer: raise env.reply_timeout")
 
     def abandon(self) -> None:
         """Forget the operations in flight (a rollout that stopped): their replies are dropped on arrival."""
         self._pending.clear()
         self._outbox.clear()
+        self._heard.clear()
 
     def _died(self, worker: int) -> None:
         proc = self._procs[worker]
@@ -321,7 +392,7 @@ class EnvPool:
         if self._finalizer is not None:
             self._finalizer()
         self._finalizer = None
-        self._procs, self._conns, self._pending, self._outbox = [], [], {}, {}
+        self._procs, self._conns, self._pending, self._outbox, self._heard = [], [], {}, {}, {}
 
     @property
     def pids(self) -> list[int]:

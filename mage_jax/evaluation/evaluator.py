@@ -254,7 +254,7 @@ class Evaluator:
         chunk = max(self.cfg.rollout.num_tasks * self.cfg.rollout.group_size, 128)
         outcomes, rows = [], []
         bar = _SplitBar(progress_bar(total=len(tasks), desc=f"eval:{name}", enabled=self.progress,
-                                     leave=False))
+                                     leave=False, unit="meta-episodes"))
         for c_index, start in enumerate(range(0, len(tasks), chunk)):
             policy = self.parts.policy(params, host_random.fold_in(split_key, offset + c_index),
                                        evaluation=True)
@@ -274,20 +274,23 @@ class Evaluator:
 
 
 class _SplitBar:
-    """The progress bar of one split: meta-episodes finished and response tokens per second."""
+    """The progress bar of one split: meta-episodes finished, and beside them the model turns and tokens
+    generated so far (meta-episodes of a batch tend to finish together at its end; turns and tokens move
+    all along, so slow and stuck look different)."""
 
     def __init__(self, bar: Any):
         self.bar = bar
         self.started = time.perf_counter()
-        self.done = self.tokens = 0
-        self._base = (0, 0)
+        self.done = self.tokens = self.turns = 0
+        self._base = (0, 0, 0)
 
     def start_chunk(self) -> None:
-        self._base = (self.done, self.tokens)
+        self._base = (self.done, self.tokens, self.turns)
 
     def report(self, progress: RolloutProgress) -> None:
         self._move(self._base[0] + progress.finished)
         self.tokens = self._base[1] + progress.tokens
+        self.turns = self._base[2] + progress.rows
         self.bar.set_postfix_str(self._rate())
 
     def end_chunk(self, done: int, *, success: float, payoff: float) -> None:
@@ -303,7 +306,8 @@ class _SplitBar:
             self.done = done
 
     def _rate(self) -> str:
-        return f"{self.tokens / max(time.perf_counter() - self.started, 1e-9):,.1f} tok/s"
+        rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        return f"{self.turns:,} turns, {self.tokens:,} tokens, {rate:,.1f} tok/s"
 
 
 def transcripts(parts: EvalParts, params: Any, *, count: int = 4, opponent: str | None = None,

@@ -15,7 +15,10 @@ Per meta-episode and k, with ``j = min(k, episodes_run)`` the last episode playe
 - ``reward``: the environment reward of episode j.
 
 Each curve is the mean over meta-episodes, overall and split by opponent, seat and task type
-(``task_info["task_type"]``, e.g. ALFWorld).
+(``task_info["task_type"]``, e.g. ALFWorld). Every block also carries the standard error of each
+curve point (``standard_errors``: sample standard deviation over the meta-episodes / sqrt(n); None for
+a single meta-episode) and ``payoff_gain``: payoff@K − payoff@1 paired over the meta-episodes (the
+mean of each meta-episode's own difference, and its standard error), the adaptation a report tests.
 
 ``reflections`` (when any meta-episode wrote one): what the agent wrote, per opponent and seat: the
 number of reflections and the most frequent texts with their counts (what a constrained reflection
@@ -81,10 +84,30 @@ def meta_episode_curves(outcome: Any, num_episodes: int) -> dict[str, np.ndarray
     return out
 
 
+def standard_error(values: Any) -> float | None:
+    """Standard error of the mean of ``values`` along axis 0 (sample std with n − 1 / sqrt(n)); None
+    when fewer than two values (elementwise for 2-D input: a list)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.shape[0] < 2:
+        return None if x.ndim == 1 else [None] * x.shape[1]
+    se = x.std(axis=0, ddof=1) / math.sqrt(x.shape[0])
+    return float(se) if x.ndim == 1 else [float(v) for v in se]
+
+
 def _curves(outcomes: Sequence[Any], num_episodes: int) -> dict[str, Any]:
     stacked = [meta_episode_curves(o, num_episodes) for o in outcomes]
     curves = {name: [float(v) for v in np.mean([c[name] for c in stacked], axis=0)] for name in CURVES}
-    return {"num_meta_episodes": len(outcomes), "curves": curves}
+    errors = {name: standard_error([c[name] for c in stacked]) for name in CURVES}
+    gain = [c["payoff"][-1] - c["payoff"][0] for c in stacked]  # paired: each meta-episode's own change
+    return {"num_meta_episodes": len(outcomes), "curves": curves, "standard_errors": errors,
+            "payoff_gain": {"first": 1, "last": num_episodes, "mean": float(np.mean(gain)),
+                            "standard_error": standard_error(gain)}}
+
+
+def gain_key(block: Mapping[str, Any]) -> str:
+    """The log key of a block's paired payoff gain, e.g. ``payoff@3-payoff@1``."""
+    gain = block["payoff_gain"]
+    return f"payoff@{gain['last']}-payoff@{gain['first']}"
 
 
 def _split(outcomes: Sequence[Any], key) -> dict[str, list[Any]]:
@@ -175,14 +198,24 @@ def reflection_counts(outcomes: Sequence[Any]) -> dict[str, dict[str, Any]]:
 
 
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
-    """Flat ``{"success@1": ..., "opponent/aggressive/payoff@3": ..., "seat/1/success@2": ...}`` for logs
-    (episodes counted from 1)."""
+    """Flat ``{"success@1": ..., "success@1_se": ..., "opponent/aggressive/payoff@3": ...,
+    "seat/1/success@2": ..., "payoff@3-payoff@1": ..., "payoff@3-payoff@1_se": ...}`` for logs (episodes
+    counted from 1; ``_se``: the standard error)."""
     flat: dict[str, float] = {}
 
     def add_curves(block: Mapping[str, Any], head: str) -> None:
+        errors = block.get("standard_errors") or {}
         for name, values in block["curves"].items():
             for k, v in enumerate(values):
                 flat[prefix + head + episode_key(name, k)] = float(v)
+                se = (errors.get(name) or [None] * len(values))[k]
+                if se is not None:
+                    flat[prefix + head + episode_key(name, k) + "_se"] = float(se)
+        if "payoff_gain" in block:
+            key, gain = prefix + head + gain_key(block), block["payoff_gain"]
+            flat[key] = float(gain["mean"])
+            if gain["standard_error"] is not None:
+                flat[key + "_se"] = float(gain["standard_error"])
         flat[f"{prefix}{head}num_meta_episodes"] = float(block["num_meta_episodes"])
 
     add_curves(metrics, "")

@@ -155,6 +155,24 @@ def _fmt(x: Any, signed: bool = False) -> str:
     return f"{x:+.3f}" if signed else f"{x:.3f}"
 
 
+def _fmt_se(x: Any, se: Any, signed: bool = False) -> str:
+    """``0.340±0.030`` (the mean and its standard error; the mean alone when there is no error)."""
+    return _fmt(x, signed) if se is None else f"{_fmt(x, signed)}±{se:.3f}"
+
+
+def gain_line(name: str, block: Mapping[str, Any]) -> str | None:
+    """The paired payoff gain of a metrics block in words, with its standard error and z = mean / SE."""
+    gain = block.get("payoff_gain")
+    if not gain or gain["last"] == gain["first"]:
+        return None
+    mean, se = gain["mean"], gain["standard_error"]
+    z = "" if not se else f" ({mean / se:+.1f} SE)"
+    spread = "" if se is None else f" ± {se:.3f}"
+    difference = f"payoff@{gain['last']} - payoff@{gain['first']}"
+    return (f"  gain, {name}: {difference} = {mean:+.3f}{spread}{z}, paired over "
+            f"{block['num_meta_episodes']} meta-episodes")
+
+
 def _fmt_ratio(x: Any) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
@@ -182,25 +200,31 @@ def results_table(summary: Mapping[str, Any], titles: Mapping[str, str] | None =
         if len(metrics.get("by_opponent", {})) > 1:
             for name, sub in metrics["by_opponent"].items():
                 groups.append((name, sub, (ref.get("by_opponent") or {}).get(name) or {}))
-        lines.append(f"{'opponent':<14}{'k':>2}  {'success':>8}{'draw':>8}{'payoff':>9}{'valid':>7}   |  "
+        lines.append(f"{'opponent':<14}{'k':>2}  {'success±se':>13}{'draw':>8}{'payoff±se':>15}"
+                     f"{'valid':>7}   |  "
                      f"reference: {'rnd succ':>8}{'ceiling':>8}{'fix:win':>8}"
                      f"{'rnd pay':>9}{'fix:pay':>9}{'bound':>9}")
         for name, sub, r in groups:
-            curves = sub["curves"]
+            curves, errors = sub["curves"], sub.get("standard_errors") or {}
             for k in range(metrics["num_episodes"]):
                 def at(key: str, k: int = k, r: Mapping[str, Any] = r) -> Any:
                     v = r.get(key)
                     return None if v is None else (v[k] if isinstance(v, (list, tuple)) else v)
 
+                def se(curve: str, k: int = k, errors: Mapping[str, Any] = errors) -> Any:
+                    return (errors.get(curve) or [None] * (k + 1))[k]
+
                 lines.append(
-                    f"{name:<14}{k + 1:>2}  {_fmt(curves['success'][k]):>8}{_fmt(curves['draw'][k]):>8}"
-                    f"{_fmt(curves['payoff'][k], True):>9}{_fmt_ratio(sub.get('valid_action_ratio')):>7}"
+                    f"{name:<14}{k + 1:>2}  {_fmt_se(curves['success'][k], se('success')):>13}"
+                    f"{_fmt(curves['draw'][k]):>8}{_fmt_se(curves['payoff'][k], se('payoff'), True):>15}"
+                    f"{_fmt_ratio(sub.get('valid_action_ratio')):>7}"
                     f"   |  {'':>11}"
                     f"{_fmt(at('random_success')):>8}{_fmt(at('winnable')):>8}"
                     f"{_fmt(at('best_fixed_by_success_success')):>8}{_fmt(at('random_payoff'), True):>9}"
                     f"{_fmt(at('best_fixed_payoff'), True):>9}{_fmt(at('adaptive_payoff_bound'), True):>9}")
-    lines.append("valid = share of the model's actions that were legal (timed-out episodes score 0, so read "
-                 "payoff next to it)")
+        lines += [line for line in (gain_line(name, sub) for name, sub, _ in groups) if line]
+    lines.append("± se = standard error over the meta-episodes; valid = share of the model's actions that "
+                 "were legal (timed-out episodes score 0, so read payoff next to it)")
     if oracle:
         lines.append(ORACLE_LEGEND)
     if "wall_seconds" in summary:

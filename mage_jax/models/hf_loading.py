@@ -286,28 +286,15 @@ def export_hf(
         return
 
     os.makedirs(out_dir, exist_ok=True)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensors[name]
-        size += nbytes
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        _save_tensors(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _save_tensors(shard, os.path.join(out_dir, file), metadata)
-            weight_map.update({name: file for name in shard})
-        total = sum(t.nbytes for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2)
+    write_safetensors({name: tensors[name].nbytes for name in tensors}, tensors.__getitem__, out_dir,
+                      max_shard_bytes=max_shard_bytes)
+    write_hf_config(config, out_dir, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                    bos_token_id=bos_token_id)
+
+
+def write_hf_config(config: ModelConfig, out_dir: str, *, eos_token_ids: Sequence[int] = (),
+                    pad_token_id: int | None = None, bos_token_id: int | None = None) -> None:
+    """`config.json` for `config` with the token ids, and `generation_config.json` with the ids alone."""
     ids: dict[str, Any] = {}
     if eos_token_ids:
         eos = [int(i) for i in eos_token_ids]
@@ -321,6 +308,33 @@ def export_hf(
     if ids:
         with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
             json.dump(ids, f, indent=2)
+
+
+def write_safetensors(sizes: Mapping[str, int], read: Callable[[str], np.ndarray], out_dir: str, *,
+                      max_shard_bytes: int = 4 << 30) -> None:
+    """Write the tensors named in `sizes` (bytes each) into `out_dir` as one ``model.safetensors`` or as
+    shards of at most `max_shard_bytes` with an index. Each shard's tensors are asked of `read` just
+    before it is written, so a converter that builds tensors on demand holds one shard at a time."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(sizes):
+        if shards[-1] and size + sizes[name] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += sizes[name]
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        _save_tensors({name: read(name) for name in shards[0]}, os.path.join(out_dir, SINGLE_FILE), metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _save_tensors({name: read(name) for name in shard}, os.path.join(out_dir, file), metadata)
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
 
 
 def _save_tensors(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str]) -> None:

@@ -1,7 +1,7 @@
 """A model named as on the Hugging Face Hub (``Qwen/Qwen3-4B``) resolved to a local folder.
 
 Runs read weights from a local folder (``hf_loading``). A Hub name is looked up in the local Hugging
-Face cache (``HF_HUB_CACHE`` / ``HF_HOME``, where ``huggingface-cli download`` and ``transformers`` put
+Face cache (``HF_HUB_CACHE`` / ``HF_HOME``, where ``hf download`` and ``transformers`` put
 models); only when the environment allows it (``HF_HUB_OFFLINE`` unset) does ``huggingface_hub``
 fetch what the cache lacks. A name that is neither a folder nor found is one ``ConfigError``.
 """
@@ -46,4 +46,4 @@ def resolve_model_path(path: str) -> str:
                else f"fetching it failed ({type(err).__name__})")
         raise ConfigError(
             f"model path {path!r} is neither a local folder nor a model in {where} ({how}); download it "
-            f"first (huggingface-cli download {path} --local-dir DIR) and pass --model-path DIR") from None
+            f"first (hf download {path} --local-dir DIR) and pass --model-path DIR") from None

@@ -223,14 +223,16 @@ class RolloutProgress:
 class MetaEpisodeRunner:
     """Plays meta-episodes of one environment type; environments are reused across runs.
 
-    ``workers``: environment worker processes (``mage_jax.envs.workers``; 0: step them in this process).
+    ``workers``: environment worker processes (``mage_jax.envs.workers``; 0: step them in this process);
+    ``reply_timeout``: seconds a worker may hold operations without answering (None: the environment's
+    default, ``envs.workers.default_reply_timeout``).
     With workers, environments step while the policy decodes, and the results are those of in-process
     stepping. ``close()`` stops the workers (they also stop with the runner or the process).
     """
 
     def __init__(
         self, env_name: str, env_options: Mapping[str, Any] | None = None, config: RunnerConfig | None = None,
-        *, workers: int = 0,
+        *, workers: int = 0, reply_timeout: float | None = None,
     ):
         self.env_name = env_name
         self.env_options = dict(env_options or {})
@@ -240,7 +242,7 @@ class MetaEpisodeRunner:
         # Built here to fail early and clearly on a bad name or options; its static facts (prompt spec,
         # turn limit, reward scale) are those of every environment of the runner.
         self._template: TextEnv = make_env(env_name, **self.env_options)
-        self._envs = EnvPool(env_name, self.env_options, workers)
+        self._envs = EnvPool(env_name, self.env_options, workers, reply_timeout)
 
     @property
     def workers(self) -> int:
@@ -250,7 +252,7 @@ class MetaEpisodeRunner:
         """A runner of the same configuration on an environment with ``extra`` merged into its options
         (an evaluation split such as ``{"split": "valid_unseen"}`` or ``{"num_boxes": 1}``)."""
         return MetaEpisodeRunner(self.env_name, {**self.env_options, **extra}, self.config,
-                                 workers=self.workers)
+                                 workers=self.workers, reply_timeout=self._envs.reply_timeout)
 
     def close(self) -> None:
         """Stop the environment workers (none in process); a later ``run`` starts them again."""

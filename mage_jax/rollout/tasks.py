@@ -13,6 +13,15 @@ Opponent assignment:
   opponents in the pool ratio (largest-remainder rounding over ``B·G``) in a random order, so the
   copies of one group meet different opponents.
 
+Coverage: when one iteration has too few slots (groups, or meta-episodes in ``mixed`` mode) for the
+rounding to give every pool member at least one, the assignment is laid out over a cycle of
+``rotation_period`` iterations instead (the fewest whose slots give every member one or more, in the
+same contiguous blocks) and iteration ``i`` takes the ``i mod period``-th slice: every opponent is
+trained against, in the pool ratio over each cycle (e.g. B = 2 with 0.3 / 0.3 / 0.4: conservative
+and aggressive in even iterations, intermediate in both groups of odd ones). A group still meets one
+opponent per iteration. A pool whose rarest member would need more than ``MAX_ROTATION_PERIOD``
+iterations is refused.
+
 Seats (two-player games): ``first`` (seat 0), ``second`` (seat 1) or ``mixed``. A seat is part of
 the task instance, so the ``G`` copies of a group always share it, in both grouping modes. In
 ``mixed`` mode, half of the groups of every opponent block (stationary) or of the iteration (mixed)
@@ -39,6 +48,8 @@ GROUPINGS = ("stationary", "mixed")
 SEAT_MODES = ("first", "second", "mixed")
 VALIDATION_STREAM = 0x5A11D
 """Random stream of the validation seeds (the evaluation's is 0xE7A1)."""
+MAX_ROTATION_PERIOD = 1000
+"""Longest cycle of iterations over which the opponent pool may be covered (see the module docstring)."""
 _SEED_SPACE = 2**30  # task seeds are 2k (train) or 2k + 1 (eval) with 0 <= k < 2**30
 
 
@@ -98,6 +109,14 @@ class TaskSamplerConfig:
                     raise ValueError(f"opponent {name!r} needs a positive pool ratio, got {ratio!r}")
             # Freeze the mapping so the config stays hashable-in-spirit and immune to caller edits.
             object.__setattr__(self, "opponents", dict(self.opponents))
+            slots = self.num_tasks if self.grouping == "stationary" else self.batch_size
+            total = sum(self.opponents.values())
+            if min(largest_remainder_counts(list(self.opponents.values()), slots * MAX_ROTATION_PERIOD)) == 0:
+                rarest = min(self.opponents, key=self.opponents.get)
+                raise ValueError(
+                    f"opponent {rarest!r} (ratio {self.opponents[rarest] / total:.2g} of the pool) would not "
+                    f"be met once in {MAX_ROTATION_PERIOD} iterations of {slots} "
+                    f"{'groups' if self.grouping == 'stationary' else 'meta-episodes'}; raise its ratio")
         elif self.seats != "first":
             raise ValueError("seats other than 'first' need an opponent pool (two-player games)")
 
@@ -146,16 +165,43 @@ class TaskSampler:
     def opponent_names(self) -> list[str]:
         return list(self.config.opponents) if self.config.opponents else []
 
-    def group_opponents(self) -> list[str | None]:
-        """The stationary opponent of each of the B groups (fixed for the whole run)."""
+    def _slots(self) -> int:
+        """Opponent slots of one iteration: the B groups (stationary) or the B·G meta-episodes (mixed)."""
+        cfg = self.config
+        return cfg.num_tasks if cfg.grouping == "stationary" else cfg.batch_size
+
+    @property
+    def rotation_period(self) -> int:
+        """Iterations over which every pool member gets a slot: 1 when one iteration's rounding gives
+        each at least one (the assignment is then the same every iteration), else the fewest that do."""
+        cfg = self.config
+        if not cfg.opponents:
+            return 1
+        ratios, slots = list(cfg.opponents.values()), self._slots()
+        for period in range(1, MAX_ROTATION_PERIOD + 1):
+            if min(largest_remainder_counts(ratios, slots * period)) > 0:
+                return period
+        raise ValueError(  # unreachable for pools TaskSamplerConfig accepts (checked there)
+            "the opponent pool cannot be covered")
+
+    def _opponent_slots(self, iteration: int) -> list[str]:
+        """The opponents of the slots of iteration ``iteration``, in contiguous blocks (module docstring)."""
+        cfg = self.config
+        slots, period = self._slots(), self.rotation_period
+        counts = largest_remainder_counts(list(cfg.opponents.values()), slots * period)
+        cycle = [name for name, count in zip(cfg.opponents, counts) for _ in range(count)]
+        start = (int(iteration) % period) * slots
+        return cycle[start:start + slots]
+
+    def group_opponents(self, iteration: int = 0) -> list[str | None]:
+        """The stationary opponent of each of the B groups in iteration ``iteration`` (the same in every
+        iteration unless the pool is covered over a ``rotation_period`` of several)."""
         cfg = self.config
         if not cfg.opponents:
             return [None] * cfg.num_tasks
-        counts = largest_remainder_counts(list(cfg.opponents.values()), cfg.num_tasks)
-        out: list[str | None] = []
-        for name, count in zip(cfg.opponents, counts):
-            out.extend([name] * count)
-        return out
+        if cfg.grouping != "stationary":
+            raise ValueError("group_opponents is the stationary grouping's assignment")
+        return list(self._opponent_slots(iteration))
 
     def _seat_fixed(self) -> int | None:
         cfg = self.config
@@ -177,7 +223,7 @@ class TaskSampler:
         fixed_seat = self._seat_fixed()
         # Per-meta-episode opponent and per-group seat.
         if cfg.grouping == "stationary":
-            group_opp = self.group_opponents()
+            group_opp = self.group_opponents(iteration)
             opponents: list[str | None] = [group_opp[b] for b in range(B) for _ in range(G)]
             if fixed_seat is not None or not cfg.opponents:
                 group_seats = [fixed_seat] * B
@@ -193,8 +239,7 @@ class TaskSampler:
                         group_seats[b] = seat
         else:  # mixed opponents inside a group
             if cfg.opponents:
-                counts = largest_remainder_counts(list(cfg.opponents.values()), B * G)
-                pool = [name for name, c in zip(cfg.opponents, counts) for _ in range(c)]
+                pool = self._opponent_slots(iteration)
                 opponents = [pool[i] for i in rng.permutation(len(pool))]
             else:
                 opponents = [None] * (B * G)

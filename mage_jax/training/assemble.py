@@ -85,6 +85,8 @@ def advantage_config(cfg: C.ExperimentConfig) -> AdvantageConfig:
         invalid_penalty=a.invalid_penalty,
         length_penalty=a.length_penalty,
         max_response_length=cfg.rollout.max_response_tokens if a.length_penalty > 0 else None,
+        # A reflect row is measured against the limit it was generated under (docs/method.md §4).
+        max_reflection_length=cfg.rollout.reflection_tokens if a.length_penalty > 0 else None,
     )
 
 
@@ -93,7 +95,7 @@ def step_config(cfg: C.ExperimentConfig) -> StepConfig:
     return StepConfig(
         clip_eps=o.clip_eps, dual_clip=o.dual_clip, entropy_coef=o.entropy_coef, kl_coef=o.kl_coef,
         kl_kind=o.kl_kind, aggregation=o.aggregation, chunk_size=o.logprob_chunk,
-        constraint_len=constraint_length(cfg),
+        constraint_len=constraint_length(cfg), response_len=cfg.rollout.max_new_tokens,
         micro_batch_rows=o.micro_batch_rows, adapters_only=cfg.model.lora_rank > 0,
         max_update_ratio=o.max_update_ratio,
     )
@@ -125,7 +127,8 @@ def _env_runner(cfg: C.ExperimentConfig, config: RunnerConfig) -> MetaEpisodeRun
     """A runner of ``cfg``'s environment; bad environment options or missing data are one ConfigError."""
     try:
         workers = default_workers(cfg.env.name) if cfg.env.workers is None else cfg.env.workers
-        return MetaEpisodeRunner(cfg.env.name, env_options(cfg), config, workers=workers)
+        return MetaEpisodeRunner(cfg.env.name, env_options(cfg), config, workers=workers,
+                                 reply_timeout=cfg.env.reply_timeout)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:  # ImportError: an optional package
         raise C.ConfigError(f"env {cfg.env.name}: {err}") from None
 

@@ -47,8 +47,11 @@ def credit(cfg: C.ExperimentConfig, rows: Sequence[Row], *, length_buckets: tupl
     """``rows`` packed in mini-batch blocks with one advantage each (``algorithm.estimator``)."""
     packed = pack_rows(rows, row_bucket=cfg.optim.mini_batch_rows, length_buckets=length_buckets,
                        pad_id=pad_id)
+    n = packed.num_rows
+    if n and int(packed.response_lengths[:n].max()) > cfg.rollout.max_new_tokens:  # the head span
+        raise ValueError("a response is longer than rollout.max_new_tokens")
     rows_bucket = max(ADVANTAGE_ROWS, 1 << max(len(packed.mask) - 1, 0).bit_length())
     advantages = np.asarray(compute_advantages(cfg.algorithm.estimator, packed.row_batch(rows_bucket),
                                                advantage_config(cfg)))[:len(packed.mask)]
-    lengths = (packed.prompt_lengths + packed.response_lengths)[:packed.num_rows]
+    lengths = (packed.prompt_lengths + packed.response_lengths)[:n]
     return Credited(packed, advantages, lengths, length_buckets)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -32,11 +33,13 @@ from mage_jax.rollout.stopping import Interrupted
 from mage_jax.training.assemble import (
     RunParts,
     build_parts,
+    checkpoint_dir,
     make_best_checkpointer,
     make_checkpointer,
     make_logger,
 )
-from mage_jax.training.signals import install_stop_signals
+from mage_jax.training.checkpoint import Checkpointer
+from mage_jax.training.signals import StopRequested, install_stop_signals
 from mage_jax.training.trainer import Trainer
 
 PROTOCOL_FILE = "experiment.json"
@@ -118,6 +121,20 @@ def _mark_finished(run_dir: str, iteration: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _checkpointers(cfg: C.ExperimentConfig, run_dir: str) -> tuple[Checkpointer, Checkpointer | None]:
+    """The run's checkpointer and best-state checkpointer; a folder the checks before the run could not
+    rule out (a path the file system refuses, e.g. under /proc) is one ConfigError."""
+    made: list[Checkpointer] = []
+    try:
+        made.append(make_checkpointer(cfg, run_dir))
+        return made[0], make_best_checkpointer(cfg, run_dir)
+    except OSError as err:
+        for checkpointer in made:
+            checkpointer.close()
+        raise C.ConfigError(f"checkpoint.dir {checkpoint_dir(cfg, run_dir)!r} cannot be used: "
+                            f"{err.strerror or err}") from None
+
+
 def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resume: bool = False,
           experiment: str | None = None) -> RunOutcome:
     """Train (or resume) the run of ``cfg``, evaluate it with ``protocol`` and report it."""
@@ -127,8 +144,7 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
     run_dir = _run_dir(cfg)
     with _nothing_left_on_error(run_dir):
         parts = build_parts(cfg, run_dir, eval_mode=protocol.eval_mode)
-        checkpointer = make_checkpointer(cfg, run_dir)
-        best_checkpointer = make_best_checkpointer(cfg, run_dir)
+        checkpointer, best_checkpointer = _checkpointers(cfg, run_dir)
         logger = make_logger(cfg, run_dir, resume=resume)
         try:
             trainer = Trainer(parts, Evaluator(parts, protocol, progress=cfg.logging.progress), logger=logger,
@@ -143,23 +159,48 @@ def train(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, resu
         with contextlib.suppress(FileNotFoundError):  # a finished run trained further
             os.remove(os.path.join(run_dir, FINISHED_FILE))
     setup_seconds = time.perf_counter() - start
-    result = trainer.run()
-    if result.final is None:
-        return RunOutcome({"status": result.status, "iteration": result.iteration}, parts, trainer)
-    if cfg.logging.plots and is_main_process():
-        selection = (None if result.selected_iteration is None
-                     else Selection(logged_at=result.iteration, state_of=result.selected_iteration))
-        write_plots(run_dir, result.final, selection=selection)
-    summary = build_summary(
-        experiment=experiment or cfg.name, iterations=result.iteration, run_dir=run_dir,
-        model_config=parts.model_config, results=result.final, wall_seconds=time.perf_counter() - start,
-        setup_seconds=setup_seconds, compiled=compile_report.counter().snapshot() - compiled_before,
-        skipped_updates=result.skipped_updates, selected_iteration=result.selected_iteration,
-    )
-    if is_main_process():
-        write_summary(run_dir, summary)
-    _mark_finished(run_dir, result.iteration)
-    return RunOutcome(summary, parts, trainer)
+    stop = trainer.stop_event
+    restore_signals = install_stop_signals(stop)  # from the trainer's end to the report's: finish promptly
+    try:
+        result = trainer.run()
+        if result.final is None:
+            return RunOutcome({"status": result.status, "iteration": result.iteration}, parts, trainer)
+        # The results first (milliseconds), the plots last (seconds, more on a loaded machine): a stop
+        # request from here on never costs a result, and one during the plots abandons them at once.
+        summary = build_summary(
+            experiment=experiment or cfg.name, iterations=result.iteration, run_dir=run_dir,
+            model_config=parts.model_config, results=result.final, wall_seconds=time.perf_counter() - start,
+            setup_seconds=setup_seconds, compiled=compile_report.counter().snapshot() - compiled_before,
+            skipped_updates=result.skipped_updates, selected_iteration=result.selected_iteration,
+        )
+        if is_main_process():
+            write_summary(run_dir, summary)
+        _mark_finished(run_dir, result.iteration)
+        if cfg.logging.plots and is_main_process():
+            selection = (None if result.selected_iteration is None
+                         else Selection(logged_at=result.iteration, state_of=result.selected_iteration))
+            if not _plots_unless_stopped(stop, run_dir, result.final, selection):
+                print(f"stopped while drawing the plots: the run is finished ({run_dir}/summary.json is "
+                      "written), its plots were not all drawn", file=sys.stderr)
+        return RunOutcome(summary, parts, trainer)
+    finally:
+        restore_signals()
+
+
+def _plots_unless_stopped(stop: threading.Event, run_dir: str, results: Any, selection: Selection | None
+                          ) -> bool:
+    """Draw the run's plots unless a stop request came (before or while they are drawn: a signal then
+    abandons them at once); whether they were all drawn."""
+    restore = install_stop_signals(stop, interrupt=True)
+    try:
+        if stop.is_set():
+            return False
+        write_plots(run_dir, results, selection=selection)
+        return True
+    except StopRequested:
+        return False
+    finally:
+        restore()
 
 
 def evaluate(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, experiment: str | None = None,
@@ -181,22 +222,24 @@ def evaluate(cfg: C.ExperimentConfig, protocol: EvalProtocol | None = None, *, e
     stop = threading.Event()  # SIGTERM / Ctrl-C: stop at the next turn, as training does
     restore_signals = install_stop_signals(stop)
     try:
-        results = evaluator.evaluate(parts.init_params if params is None else params,
-                                     host_random.key(cfg.train.seed) if key is None else key, heldout=True,
-                                     stop=stop)
-    except Interrupted:
-        raise EvaluationInterrupted(
-            f"interrupted: the evaluation stopped before it finished; {run_dir} holds its config.json and "
-            "experiment.json but no results (run the command again to evaluate)") from None
+        try:
+            results = evaluator.evaluate(parts.init_params if params is None else params,
+                                         host_random.key(cfg.train.seed) if key is None else key,
+                                         heldout=True, stop=stop)
+        except Interrupted:
+            raise EvaluationInterrupted(
+                f"interrupted: the evaluation stopped before it finished; {run_dir} holds its config.json "
+                "and experiment.json but no results (run the command again to evaluate)") from None
+        # Finished: a stop request from here on waits for the records and the summary (milliseconds).
+        with MetricsLogger(run_dir, config=C.to_dict(cfg)) as logger:
+            log_evaluation(logger, iteration, results)
+        summary = build_summary(
+            experiment=experiment or cfg.name, iterations=iteration, run_dir=run_dir,
+            model_config=parts.model_config, results=results, wall_seconds=time.perf_counter() - start,
+            compiled=compile_report.counter().snapshot() - compiled_before, **summary_fields,
+        )
+        if is_main_process():
+            write_summary(run_dir, summary)
     finally:
         restore_signals()
-    with MetricsLogger(run_dir, config=C.to_dict(cfg)) as logger:
-        log_evaluation(logger, iteration, results)
-    summary = build_summary(
-        experiment=experiment or cfg.name, iterations=iteration, run_dir=run_dir,
-        model_config=parts.model_config, results=results, wall_seconds=time.perf_counter() - start,
-        compiled=compile_report.counter().snapshot() - compiled_before, **summary_fields,
-    )
-    if is_main_process():
-        write_summary(run_dir, summary)
     return RunOutcome(summary, parts)

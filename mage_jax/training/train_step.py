@@ -62,8 +62,10 @@ class TrainBatch:
 
     Token arrays are ``[R, T]`` in the ``PackedBatch`` layout; ``prompt_lengths`` and ``advantages``
     are ``[R]``; ``old_logprobs`` / ``ref_logprobs`` ``[R, T]`` (the update needs them, the recompute
-    does not); ``transitions`` ``int32[R, S, V]`` is each row's constraint automaton (None: no row of
-    the batch was constrained). Padding rows are fully masked.
+    does not; an update without ``old_logprobs`` takes log pi_old from its own forward pass, which is
+    the recompute's value when the state has not moved since, i.e. an iteration's only update);
+    ``transitions`` ``int32[R, S, V]`` is each row's constraint automaton (None: no row of the batch was
+    constrained). Padding rows are fully masked.
     """
 
     tokens: Any
@@ -153,6 +155,10 @@ class StepConfig:
     chunk_size: int = 512
     constraint_len: int = 0
     """Response tokens over which a constraint automaton is replayed (0: no constrained rows)."""
+    response_len: int = 0
+    """The most response tokens of any row (the generation bound): the head computes logits at these
+    positions of each row only, not at its prompt positions, whose log-probs nothing uses. 0: every
+    position (the [R, T, V] head)."""
     micro_batch_rows: int = 0
     """Rows per forward/backward pass inside one update (gradient accumulation); 0: the whole mini-batch."""
     adapters_only: bool = False
@@ -279,11 +285,37 @@ class TrainStep:
         # rematerialised block may not update variables of another trace.
         model = nnx.merge(self.graphdef, params, copy=True)
         hidden, _ = model(batch.tokens, batch.positions, batch.token_mask)
-        allowed = self._allowed(batch) if batch.transitions is not None else None
-        return losses.token_logprobs_and_entropy(
-            hidden, model.head_weight(), batch.targets, chunk_size=self.config.chunk_size,
-            temperature=1.0, allowed=allowed,
+        span = self.config.response_len
+        length = batch.targets.shape[1]
+        if span <= 0 or span >= length:
+            allowed = self._allowed(batch) if batch.transitions is not None else None
+            return losses.token_logprobs_and_entropy(
+                hidden, model.head_weight(), batch.targets, chunk_size=self.config.chunk_size,
+                temperature=1.0, allowed=allowed,
+            )
+        # The head over each row's response span only: targets p - 1 .. p - 1 + span of a row whose
+        # prompt has p tokens (the response is never longer than the generation bound ``span``), then
+        # scattered back to [R, T] with zeros at the prompt (and padding) positions.
+        start = jnp.maximum(batch.prompt_lengths - 1, 0)
+        index = jnp.clip(start[:, None] + jnp.arange(span)[None, :], 0, length - 1)  # [R, span]
+        targets = jnp.take_along_axis(batch.targets, index, axis=1)
+        allowed = None
+        if batch.transitions is not None:
+            steps = max(1, min(self.config.constraint_len, span))
+            masks = constraint_masks(batch.transitions, targets[:, :steps])  # [R, steps, V]
+            if steps < span:  # beyond the automaton's tokens nothing is constrained
+                masks = jnp.concatenate([masks, jnp.ones((masks.shape[0], span - steps, masks.shape[2]),
+                                                         bool)], axis=1)
+            allowed = masks
+        logp, entropy = losses.token_logprobs_and_entropy(
+            jnp.take_along_axis(hidden, index[:, :, None], axis=1), model.head_weight(), targets,
+            chunk_size=self.config.chunk_size, temperature=1.0, allowed=allowed,
         )
+        offset = jnp.arange(length)[None, :] - start[:, None]  # [R, T]: position in the span
+        inside = (offset >= 0) & (offset < span)
+        back = jnp.clip(offset, 0, span - 1)
+        return (jnp.where(inside, jnp.take_along_axis(logp, back, axis=1), 0.0),
+                jnp.where(inside, jnp.take_along_axis(entropy, back, axis=1), 0.0))
 
     def _allowed(self, batch: TrainBatch) -> jax.Array:
         """bool[R, T, V]: the constraint mask of each target position (all True outside the response)."""
@@ -487,8 +519,11 @@ class TrainStep:
 
         def loss_fn(trainable):
             logp, entropy = self._token_logprobs(self._join(trainable, frozen), batch)
+            # No old log-probs: the state the rows are scored with is the one they were recomputed for
+            # (the iteration's single update), so log pi_old is this forward's value, held constant.
+            old = jax.lax.stop_gradient(logp) if batch.old_logprobs is None else batch.old_logprobs
             pg_loss, pg_metrics = losses.ppo_loss(
-                logp, batch.old_logprobs, batch.advantages, mask,
+                logp, old, batch.advantages, mask,
                 clip_eps=cfg.clip_eps, dual_clip=cfg.dual_clip, agg_mode=cfg.aggregation,
             )
             entropy_term = losses.aggregate(entropy, mask, cfg.aggregation)
@@ -547,6 +582,24 @@ def split_micro_batches(batch: TrainBatch, micro_rows: int) -> TrainBatch:
         return jnp.moveaxis(x.reshape((micro_rows, n) + x.shape[1:]), 1, 0)
 
     return jax.tree.map(split, batch)
+
+
+def fill_micro_batches(index: np.ndarray, micro_rows: int) -> np.ndarray:
+    """The rows ``index`` of a mini-batch (``-1``: padding) reordered so that ``split_micro_batches``
+    puts the real rows into the fewest micro-batches: the k-th real row goes to micro-batch
+    ``k // micro_rows``, so the padding-only micro-batches at the end are skipped rather than each
+    micro-batch running one real row beside padding. Row order is free: the loss and the recompute
+    take each row by its index."""
+    index = np.asarray(index)
+    rows = len(index)
+    if micro_rows <= 0 or micro_rows >= rows or rows % micro_rows:
+        return index
+    n = rows // micro_rows
+    ordered = np.concatenate([index[index >= 0], index[index < 0]])
+    out = np.empty_like(index)
+    k = np.arange(rows)
+    out[(k % micro_rows) * n + k // micro_rows] = ordered
+    return out
 
 
 def merge_micro_batches(parts: jax.Array) -> jax.Array:

@@ -58,7 +58,7 @@ from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_jso
 from mage_jax.training.credit import Credited, credit
 from mage_jax.training.health import TrainingStopped, all_invalid, check_rows, check_skips
 from mage_jax.training.signals import install_stop_signals
-from mage_jax.training.train_step import TrainBatch, all_finite, gather_rows
+from mage_jax.training.train_step import TrainBatch, all_finite, fill_micro_batches, gather_rows
 
 
 @dataclasses.dataclass
@@ -119,6 +119,7 @@ class Trainer:
         """``self.state`` was left mid-update by a stop request; the iteration's start is on disk."""
         if resume and self.checkpointer.latest_step() is not None:
             self.state, meta = self.checkpointer.restore(self.state)
+            C.check_resumed(meta, self.cfg, self.run_dir)
             self.start_iteration = int(meta["iteration"])
             self.base_key = key_from_json(meta["rng"])
             self.skipped_updates = int(meta.get("skipped_updates", 0))
@@ -186,29 +187,33 @@ class Trainer:
                    samples_path=self.logger.samples_path if every > 0 and self.logger.writes else None)
         return result
 
-    def _recompute(self, credited: Credited) -> tuple[np.ndarray, np.ndarray | None]:
+    def _recompute(self, credited: Credited) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Old (and reference) log-probs of every real row, before any update of this iteration: computed
         on the device one mini-batch at a time and kept on the host (tens of GB at the paper's lengths),
-        where each update's mini-batch takes its rows from them. A stop request is honoured between
-        mini-batches (the parameters are still the last iteration's)."""
-        shape = credited.packed.tokens.shape
-        old = np.zeros(shape, np.float32)
+        where each update's mini-batch takes its rows from them. One epoch of one mini-batch recomputes no
+        old log-probs (None): its update starts from the state they would come from and takes them from
+        its own forward pass. A stop request is honoured between mini-batches (the parameters are still
+        the last iteration's)."""
+        shape, lengths = credited.packed.tokens.shape, credited.row_lengths
+        mb, micro = self.cfg.optim.mini_batch_rows, self.cfg.optim.micro_batch_rows
+        single_update = self.cfg.optim.epochs == 1 and len(lengths) <= mb
+        old = None if single_update else np.zeros(shape, np.float32)
         ref = np.zeros(shape, np.float32) if self.use_reference else None
-        lengths = credited.row_lengths
-        for idx in minibatch_indices(len(lengths), self.cfg.optim.mini_batch_rows,
-                                     permutation=np.argsort(lengths, kind="stable")):
+        for idx in minibatch_indices(len(lengths), mb, permutation=np.argsort(lengths, kind="stable")):
             if self._stop.is_set():
                 raise Interrupted
+            idx = fill_micro_batches(idx, micro)  # padding-only micro-batches are skipped
             placed = self.step.place_batch(credited.batch(idx, with_advantages=False))
-            real = idx[idx >= 0]
-            old[real, :placed.length] = to_host(
-                self.step.compute_logprobs(self.state.params, placed))[:len(real)]
+            real = idx >= 0
+            if old is not None:
+                old[idx[real], :placed.length] = to_host(
+                    self.step.compute_logprobs(self.state.params, placed))[real]
             if ref is not None:
-                ref[real, :placed.length] = to_host(self._reference_logprobs(placed))[:len(real)]
+                ref[idx[real], :placed.length] = to_host(self._reference_logprobs(placed))[real]
         return old, ref
 
-    def _update_epochs(self, iteration: int, credited: Credited, old: np.ndarray, ref: np.ndarray | None
-                       ) -> list[dict[str, float]]:
+    def _update_epochs(self, iteration: int, credited: Credited, old: np.ndarray | None,
+                       ref: np.ndarray | None) -> list[dict[str, float]]:
         """PPO epochs over shuffled mini-batches; the step metrics of every update. A stop request is
         honoured between any two updates when the state the iteration started from survives them: kept
         (its first update does not donate it) unless it is on disk already (docs/preemption.md)."""
@@ -230,9 +235,10 @@ class Trainer:
             for idx in blocks:
                 if stoppable and self._stop.is_set():
                     self._abandon_updates(start_state if keep_start else None)
+                idx = fill_micro_batches(idx, cfg.optim.micro_batch_rows)
                 rows = credited.batch(idx, with_advantages=True)
                 placed = self.step.place_batch(rows.replace(
-                    old_logprobs=gather_rows(old, idx, rows.length),
+                    old_logprobs=None if old is None else gather_rows(old, idx, rows.length),
                     ref_logprobs=None if ref is None else gather_rows(ref, idx, rows.length),
                 ))
                 self.state, metrics = self.step.update(self.state, placed, lr_scale,
@@ -259,12 +265,14 @@ class Trainer:
         raise Interrupted
 
     def _rows_progress(self, iteration: int) -> Callable[[RolloutProgress], None] | None:
-        """Progress inside the rollout of ``iteration`` on the bar: rows generated so far."""
+        """Progress inside the rollout of ``iteration`` on the bar: model turns (play turns and reflections)
+        and tokens generated so far, units that move while meta-episodes are still unfinished."""
         if not self.cfg.logging.progress:
             return None
 
         def report(progress: RolloutProgress) -> None:
-            self._bar.set_postfix_str(f"iteration {iteration}: rollout, {progress.rows} rows generated")
+            self._bar.set_postfix_str(f"iteration {iteration}: rollout, {progress.rows} turns, "
+                                      f"{progress.tokens:,} tokens generated")
 
         return report
 
@@ -348,6 +356,12 @@ class Trainer:
         """SIGTERM and SIGINT request a stop at the next safe point; a second SIGINT exits at once."""
         return install_stop_signals(self._stop)
 
+    @property
+    def stop_event(self) -> threading.Event:
+        """The stop request, set by SIGTERM / SIGINT while ``run`` runs (``training.run`` keeps it
+        installed until the report is written)."""
+        return self._stop
+
     # -- the loop ----------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         """Iterate up to ``train.iterations`` (from the resumed checkpoint), then evaluate and save."""
@@ -355,7 +369,7 @@ class Trainer:
         total = cfg.train.iterations
         restore_signal = self._install_signals()
         bar = self._bar = progress_bar(total=total, desc="train", enabled=cfg.logging.progress,
-                                       initial=self.start_iteration)
+                                       initial=self.start_iteration, unit="iterations")
         last_eval: dict[str, SplitResult] | None = None
         iteration = self.start_iteration
         status = "finished"

@@ -65,7 +65,7 @@ def _meta_episodes(rows):
 
 
 def credit(rows, *, design="differential", gamma_step=0.95, gamma_traj=0.6, invalid_penalty=0.5,
-           length_penalty=0.0, max_len=None):
+           length_penalty=0.0, max_len=None, max_reflection_len=None):
     """Per-row d, penalty, e, G, and per-meta-episode Σd, all by the words of §4."""
     n = len(rows)
     d, G, pen = [0.0] * n, [0.0] * n, [0.0] * n
@@ -97,8 +97,10 @@ def credit(rows, *, design="differential", gamma_step=0.95, gamma_traj=0.6, inva
             prev_episode = r["episode"]
     for i, r in enumerate(rows):
         p = invalid_penalty if r["invalid"] else 0.0
-        if max_len is not None and r["response_length"] > max_len / 2:
-            p += length_penalty * min(1.0, (r["response_length"] - max_len / 2) / (max_len / 2))
+        # M is the row's own limit: the reflection limit for a reflect row (the play limit if none).
+        m = max_len if not r["is_reflect"] or max_reflection_len is None else max_reflection_len
+        if m is not None and r["response_length"] > m / 2:
+            p += length_penalty * min(1.0, (r["response_length"] - m / 2) / (m / 2))
         pen[i] = p
     e = [d[i] - pen[i] for i in range(n)]
     return dict(d=d, G=G, e=e, penalty=pen, meta_total=meta_total)

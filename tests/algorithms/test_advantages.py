@@ -164,7 +164,7 @@ CONFIGS = [
 def _reference(name, rows, cfg: AdvantageConfig):
     kwargs = dict(design=cfg.reward_design, gamma_step=cfg.gamma_step, gamma_traj=cfg.gamma_traj,
                   invalid_penalty=cfg.invalid_penalty, length_penalty=cfg.length_penalty,
-                  max_len=cfg.max_response_length)
+                  max_len=cfg.max_response_length, max_reflection_len=cfg.max_reflection_length)
     if name == "gigpo":
         return ref.gigpo(rows, norm=cfg.norm, anchor=cfg.anchor, omega=cfg.omega, **kwargs)
     if name == "grpo":
@@ -176,7 +176,7 @@ def _reference(name, rows, cfg: AdvantageConfig):
 def test_estimators_agree_with_the_literal_spec_reading_on_random_batches(name):
     for i, options in enumerate(CONFIGS):
         cfg = AdvantageConfig(**options, omega=0.7, invalid_penalty=0.5, length_penalty=1.0,
-                              max_response_length=100)
+                              max_response_length=100, max_reflection_length=60 if i % 2 else None)
         rows = ref.random_rows(100 + i)
         got = np.asarray(compute_advantages(name, ref.to_batch(rows, pad_to=ref.BUCKET), cfg))
         np.testing.assert_allclose(got[: len(rows)], _reference(name, rows, cfg), atol=2e-4, rtol=1e-4,

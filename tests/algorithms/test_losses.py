@@ -5,7 +5,6 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import rlax
 
 from mage_jax.algorithms.losses import (
     aggregate,
@@ -15,6 +14,7 @@ from mage_jax.algorithms.losses import (
     ppo_loss,
     token_logprobs_and_entropy,
 )
+from tests.optional import require
 
 EPS_CLIP, DUAL = 0.2, 3.0
 
@@ -30,6 +30,7 @@ def random_policy_batch(seed, batch=5, length=12):
 
 
 def test_ppo_without_dual_clip_equals_rlax_clipped_surrogate_and_its_gradient():
+    rlax = require("rlax")
     logp, old, adv, _ = random_policy_batch(0)
     full = jnp.ones_like(logp, dtype=bool)
 
@@ -46,10 +47,10 @@ def test_ppo_without_dual_clip_equals_rlax_clipped_surrogate_and_its_gradient():
     assert np.any(np.asarray(grad) == 0) and np.any(np.asarray(grad) != 0)  # clipped and unclipped tokens
 
 
-@jax.jit
 def rlax_per_token(logp, old, adv):
+    rlax = require("rlax")
     per_token = jax.vmap(lambda r, a: rlax.clipped_surrogate_pg_loss(r[None], a[None], EPS_CLIP))
-    return per_token(jnp.exp(logp - old).ravel(), adv.ravel()).reshape(logp.shape)
+    return jax.jit(per_token)(jnp.exp(logp - old).ravel(), adv.ravel()).reshape(logp.shape)
 
 
 @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])

@@ -118,6 +118,19 @@ def test_penalties_lower_the_score_but_never_the_return():
     close(g, [GS * (1 + GT * 1), 1 + GT * 1, 1, 1])
 
 
+def test_a_reflect_row_is_measured_against_the_reflection_limit_and_a_play_row_against_the_play_limit():
+    # Play limit 24, reflection limit 48 (the small-cpu shape): a 40-token reflection is 16 / 24 of the
+    # way past M/2 = 24; a 20-token play row is 8 / 12 past its M/2 = 12. A well-formed 24-token
+    # reflection pays nothing.
+    rows = make(group=[0] * 3, meta_episode=[0] * 3, episode=[0, 0, 1], step=[0, 1, 2],
+                is_reflect=[False, True, True], anchor=[0, 1, 1], env_reward=[-5.0, 0.0, 0.0],
+                response_length=[20, 40, 24])
+    kwargs = dict(length_penalty=2.0, max_response_length=24)
+    close(row_penalties(rows, **kwargs, max_reflection_length=48), [2.0 * 8 / 12, 2.0 * 16 / 24, 0.0])
+    close(row_penalties(rows, **kwargs), [2.0 * 8 / 12, 2.0, 2.0])  # one limit: every reflection capped
+    close(row_scores(rows, **kwargs, max_reflection_length=48), [-5 - 4 / 3, -4 / 3, 0.0])
+
+
 def test_meta_episode_won_at_episode_zero_has_one_episode_only():
     # Meta-episode 7 won in one turn (episodes 1, 2 never ran); meta-episode 3 is the Kuhn example.
     rows = make(
@@ -135,14 +148,16 @@ def test_kernels_agree_with_the_literal_spec_reading_on_random_batches(design):
     for seed in range(6):
         rows = ref.random_rows(seed)
         batch = ref.to_batch(rows, pad_to=ref.BUCKET)
-        expect = ref.credit(rows, design=design, invalid_penalty=0.5, length_penalty=1.5, max_len=100)
+        expect = ref.credit(rows, design=design, invalid_penalty=0.5, length_penalty=1.5, max_len=100,
+                            max_reflection_len=60)
         n = len(rows)
         d = np.asarray(meta_rewards(batch, design))
         gamma_traj = 0.0 if design == "single_episode" else GT
         np.testing.assert_allclose(d[:n], expect["d"], atol=1e-5)
         g = np.asarray(step_returns(batch, d, gamma_step=GS, gamma_traj=gamma_traj))
         np.testing.assert_allclose(g[:n], expect["G"], atol=1e-5)
-        e = row_scores(batch, design, invalid_penalty=0.5, length_penalty=1.5, max_response_length=100)
+        e = row_scores(batch, design, invalid_penalty=0.5, length_penalty=1.5, max_response_length=100,
+                       max_reflection_length=60)
         e = np.asarray(e)
         np.testing.assert_allclose(e[:n], expect["e"], atol=1e-5)
         totals = [expect["meta_total"][(r["group"], r["meta_episode"])] for r in rows]

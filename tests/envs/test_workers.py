@@ -17,13 +17,23 @@ from pathlib import Path
 import pytest
 
 from mage_jax import config as C
-from mage_jax.envs.workers import EnvPool, EnvWorkerError, Reset, Step, default_workers
+from mage_jax.envs.workers import (
+    REPLY_TIMEOUT_S,
+    SLOW_REPLY_TIMEOUT_S,
+    EnvPool,
+    EnvWorkerError,
+    Reset,
+    Step,
+    default_reply_timeout,
+    default_workers,
+)
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner
 from mage_jax.rollout.policy import BatchStream, RandomLegalPolicy
 from mage_jax.rollout.stopping import Interrupted
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 from mage_jax.testing import runner_config, write_tiny_alfworld_data
 from mage_jax.training.assemble import make_runner
+from tests.envs import slow_envs  # noqa: F401  (registers slow_kuhn_poker)
 from tests.optional import require
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,6 +184,101 @@ def test_an_environment_that_raises_in_a_worker_is_one_error_naming_the_operatio
         assert "\n" not in str(err.value) and "Traceback" in err.value.worker_traceback
     finally:
         pool.close()
+
+
+def _deal(pool: EnvPool, slots: int) -> None:
+    for slot in range(slots):
+        pool.submit(slot, Reset(slot, opponent="conservative", seat=0))
+    got = []
+    while len(got) < slots:
+        got += pool.replies(timeout=None)
+
+
+def _error_of_waiting(pool: EnvPool, limit: float) -> BaseException:
+    """What ``pool.replies(timeout=None)``, called until it raises, raises (a thread: a wait that never
+    ends fails the test after ``limit`` seconds instead of hanging it)."""
+    raised: list[BaseException] = []
+
+    def wait_forever():
+        try:
+            while True:
+                pool.replies(timeout=None)
+        except BaseException as err:  # noqa: BLE001  (the test inspects it)
+            raised.append(err)
+
+    thread = threading.Thread(target=wait_forever, daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert raised, f"replies(timeout=None) still waiting after {limit} s"
+    return raised[0]
+
+
+def _gone(pid: int, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+@pytest.mark.parametrize("fault", ["stopped process", "environment loops"])
+def test_a_worker_that_stops_answering_is_one_error_after_the_reply_timeout(fault):
+    """A worker stopped by SIGSTOP, or an environment whose step never returns: the pool waits at most
+    ``reply_timeout`` for it (``replies(timeout=None)`` included), then raises one line naming the
+    environment, the meta-episode and the operation, and no worker is left behind."""
+    options = {"hang_on": "<action>PASS</action>"} if fault == "environment loops" else {}
+    pool = EnvPool("slow_kuhn_poker", options, workers=2, reply_timeout=120)
+    try:
+        _deal(pool, 2)  # the workers start (seconds on a loaded machine) and answer
+        pool.reply_timeout = 3.0
+        stuck, pids = pool.pids[1], pool.pids
+        if fault == "stopped process":
+            os.kill(stuck, signal.SIGSTOP)
+        pool.submit(0, Step("<action>BET</action>"), "meta-episode 4 (task seed 0)")
+        pool.submit(1, Step("<action>PASS</action>"), "meta-episode 5 (task seed 1)")
+        started = time.monotonic()
+        error = _error_of_waiting(pool, limit=20)
+        waited = time.monotonic() - started
+    finally:
+        pool.close()
+    assert isinstance(error, EnvWorkerError), error
+    message = str(error)
+    assert message.startswith(f"environment 'slow_kuhn_poker': worker process 1 (pid {stuck}) sent nothing "
+                              "for "), message
+    assert "while running step('<action>PASS</action>') of meta-episode 5 (task seed 1)" in message
+    assert "env.reply_timeout=3 s" in message and "\n" not in message
+    assert 3 <= waited < 20, waited
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_slow_operations_that_keep_answering_never_hit_the_reply_timeout():
+    """The deadline bounds one operation, not a worker's queue: four 1.5 s steps queued on one worker
+    (6 s in all) under a 4 s timeout are answered one by one, and all arrive."""
+    pool = EnvPool("slow_kuhn_poker", {"step_seconds": 1.5}, workers=1, reply_timeout=120)
+    try:
+        _deal(pool, 4)  # the worker starts (seconds on a loaded machine) and answers
+        pool.reply_timeout = 4.0
+        for slot in range(4):
+            pool.submit(slot, Step("<action>PASS</action>"))
+        got = []
+        while len(got) < 4:
+            got += pool.replies(timeout=None)
+    finally:
+        pool.close()
+    assert sorted(slot for slot, _ in got) == list(range(4))
+
+
+def test_the_reply_timeout_defaults_by_environment_and_is_a_config_key():
+    assert default_reply_timeout("webshop") == default_reply_timeout("alfworld") == SLOW_REPLY_TIMEOUT_S
+    assert default_reply_timeout("kuhn_poker") == REPLY_TIMEOUT_S < SLOW_REPLY_TIMEOUT_S
+    assert EnvPool("webshop", {}, workers=1).reply_timeout == SLOW_REPLY_TIMEOUT_S
+    cfg = C.apply_overrides(C.ExperimentConfig(), {"env.workers": "1", "env.reply_timeout": "7"})
+    runner = make_runner(cfg, num_episodes=1)
+    assert runner._envs.reply_timeout == 7.0
+    assert runner.with_env_options({"max_turns": 4})._envs.reply_timeout == 7.0
+    with pytest.raises(C.ConfigError, match="env.reply_timeout must be > 0"):
+        C.validate(C.apply_overrides(cfg, {"env.reply_timeout": "0"}), check_paths=False)
+    with pytest.raises(ValueError, match="env.reply_timeout must be > 0"):
+        EnvPool("kuhn_poker", {}, workers=1, reply_timeout=-1)
 
 
 def test_a_stop_request_while_environments_step_is_interrupted_and_the_runner_plays_on():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 
 import jax
@@ -147,7 +148,7 @@ def test_kuhn_poker_gets_the_oracle_and_other_games_the_random_reference_only_wh
 
 class _RecordingBar:
     def __init__(self, **kwargs):
-        self.total, self.updates, self.postfix = kwargs["total"], [], []
+        self.total, self.unit, self.updates, self.postfix = kwargs["total"], kwargs["unit"], [], []
 
     def update(self, n=1):
         self.updates.append(n)
@@ -159,9 +160,10 @@ class _RecordingBar:
         pass
 
 
-def test_the_progress_bar_moves_per_finished_meta_episode_and_shows_tokens_per_second(monkeypatch):
+def test_the_progress_bar_moves_per_finished_meta_episode_and_shows_turns_and_tokens(monkeypatch):
     """All meta-episodes of a split (up to 128) are played as one batched rollout; the bar still moves
-    as each finishes, not once at the end of the batch."""
+    as each finishes, not once at the end of the batch, and beside it the turns and tokens generated so
+    far move with every round of generations."""
     bars = []
 
     def progress_bar(**kwargs):
@@ -175,3 +177,7 @@ def test_the_progress_bar_moves_per_finished_meta_episode_and_shows_tokens_per_s
     (bar,) = bars
     assert bar.total == 12 and sum(bar.updates) == 12 and len(bar.updates) > 1
     assert all(text.endswith(" tok/s") for text in bar.postfix) and "success=" in bar.postfix[-1]
+    turns = [int(re.search(r"([\d,]+) turns", text)[1].replace(",", "")) for text in bar.postfix]
+    tokens = [int(re.search(r"([\d,]+) tokens", text)[1].replace(",", "")) for text in bar.postfix]
+    assert turns == sorted(turns) and tokens == sorted(tokens) and len(set(turns)) > 1 and turns[-1] >= 12
+    assert bar.unit == "meta-episodes"

@@ -67,9 +67,7 @@ def test_metrics_split_by_opponent_seat_and_task_type():
     assert m["by_opponent"]["b"]["curves"]["success_or_draw"] == [0.0, 0.5, 0.5]
     assert m["by_seat"]["1"]["num_meta_episodes"] == 2
     assert m["by_seat"]["1"]["curves"]["payoff"] == [-0.5, 0.5, 0.5]
-    assert m["by_task_type"] == {
-        "cool": {"num_meta_episodes": 1, "curves": m["by_task_type"]["cool"]["curves"]}
-    }
+    assert list(m["by_task_type"]) == ["cool"] and m["by_task_type"]["cool"]["num_meta_episodes"] == 1
 
 
 def test_valid_action_ratio_rows_and_episodes_per_meta_episode():
@@ -88,8 +86,37 @@ def test_metrics_are_plain_json_and_flatten_for_logs():
     assert flat["eval/success@2"] == m["curves"]["success"][1] == 0.5
     assert flat["eval/opponent/b/draw@3"] == 0.5
     assert flat["eval/seat/0/success@1"] == 0.5 and flat["eval/valid_action_ratio"] == 8 / 9
-    assert {k for k in flat if k.startswith("eval/payoff@")} == {f"eval/payoff@{k}" for k in (1, 2, 3)}
+    assert {k for k in flat if k.startswith("eval/payoff@")} == {
+        *(f"eval/payoff@{k}" for k in (1, 2, 3)), *(f"eval/payoff@{k}_se" for k in (1, 2, 3)),
+        "eval/payoff@3-payoff@1", "eval/payoff@3-payoff@1_se"}
     assert all(isinstance(v, float) for v in flat.values())
+
+
+def test_every_curve_point_carries_its_standard_error_over_the_meta_episodes():
+    m = compute_metrics(OUTCOMES, num_episodes=3)
+    payoff_at_1 = [2, -1, -1, 0]  # each meta-episode's payoff@1
+    assert m["standard_errors"]["payoff"][0] == pytest.approx(np.std(payoff_at_1, ddof=1) / 2)
+    assert m["standard_errors"]["success"][1] == pytest.approx(np.std([1, 1, 0, 0], ddof=1) / 2)
+    a = m["by_opponent"]["a"]  # two meta-episodes: success@2 is 1 in both, so its error is 0
+    assert a["standard_errors"]["success"] == [pytest.approx(np.std([1, 0], ddof=1) / np.sqrt(2)), 0.0, 0.0]
+    assert compute_metrics(OUTCOMES[:1], num_episodes=3)["standard_errors"]["payoff"] == [None] * 3
+    flat = flatten_metrics(m)
+    assert flat["payoff@1_se"] == m["standard_errors"]["payoff"][0]
+    assert flat["opponent/b/success@3_se"] == 0.0
+
+
+def test_the_payoff_gain_is_paired_over_meta_episodes():
+    # Per meta-episode payoff@3 - payoff@1: 2 - 2, 1 - (-1), -1 - (-1), 0 - 0 = 0, 2, 0, 0.
+    m = compute_metrics(OUTCOMES, num_episodes=3)
+    gain = m["payoff_gain"]
+    assert (gain["first"], gain["last"], gain["mean"]) == (1, 3, 0.5)
+    assert gain["standard_error"] == pytest.approx(np.std([0, 2, 0, 0], ddof=1) / 2)  # 0.5, not unpaired
+    unpaired = np.hypot(m["standard_errors"]["payoff"][0], m["standard_errors"]["payoff"][2])
+    assert gain["standard_error"] < unpaired  # pairing removes the deal-to-deal spread
+    assert m["by_opponent"]["a"]["payoff_gain"]["mean"] == 1.0
+    flat = flatten_metrics(m, prefix="eval/")
+    assert flat["eval/payoff@3-payoff@1"] == 0.5
+    assert flat["eval/payoff@3-payoff@1_se"] == gain["standard_error"]
 
 
 def test_metrics_from_a_rollout_include_response_lengths():

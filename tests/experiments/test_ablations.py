@@ -10,7 +10,10 @@ from experiments.ablations import ABLATIONS
 from experiments.ablations.opponent_pool import skewed_pool
 from experiments.ablations.opponent_pool import variants as pool_variants
 from experiments.environments import environment
+from experiments.presets import EnvExperiment
 from experiments.suite import variant_config
+from mage_jax.envs.workers import EnvWorkerError
+from mage_jax.training.health import TrainingStopped
 
 VARIANTS = {
     "reward_design": ("differential", "cumulative", "single_episode"),
@@ -108,3 +111,23 @@ def test_ablation_at_paper_scale_without_a_model_folder_is_one_error_line(capsys
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: preset 'paper' loads a pretrained model") and "\n" not in err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("failure, code, line", [
+    (EnvWorkerError("environment 'kuhn_poker': worker process 0 (pid 1) was killed by SIGKILL"), 4,
+     "error: environment 'kuhn_poker': worker process 0 (pid 1) was killed by SIGKILL"),
+    (TrainingStopped("every one of the 8 rows of iteration 1 is invalid"), 3,
+     "error: every one of the 8 rows of iteration 1 is invalid"),
+    (KeyboardInterrupt(), 130, "interrupted: stopped at once; finished runs are kept"),
+])
+def test_a_run_of_an_ablation_that_fails_is_one_line_and_its_exit_status(capsys, tmp_path, monkeypatch,
+                                                                         failure, code, line):
+    """A suite of runs fails like one run (docs/reliability.md): the run's failure is one line."""
+    def run(self, cfg, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(EnvExperiment, "run", run)
+    capsys.readouterr()
+    assert _module("grouping").main(["--seeds", "0", "--out-dir", str(tmp_path / "g")]) == code
+    assert [x for x in capsys.readouterr().err.splitlines() if x.strip() and not x.startswith("[suite]")] == [
+        line]

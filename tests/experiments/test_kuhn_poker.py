@@ -262,6 +262,12 @@ def test_evaluation_entry_point_scores_a_checkpoint(finished_run, tmp_path):
         (["--set", "rollout.batch_size=30"],
          "error: rollout.group_size 4 does not divide rollout.batch_size 30"),
         (["--optim.lrr", "1"], "error: unknown config key 'optim.lrr'"),
+        (["--train.seed", "-1"], "error: train.seed must be an integer in [0, 2**32) (got -1)"),
+        (["--train.seed", str(2**32)], "error: train.seed must be an integer in [0, 2**32)"),  # JAX: seed 0
+        (["--checkpoint.dir", "/dev/null/ckpt"],
+         "error: checkpoint.dir '/dev/null/ckpt' cannot be created: '/dev/null' is a file"),
+        (["--checkpoint.dir", "/dev/null"], "error: checkpoint.dir '/dev/null' is a file, not a folder"),
+        (["--checkpoint.dir", "/proc/ckpt"], "error: checkpoint.dir '/proc/ckpt' cannot be"),  # used, written
         (["--preset", "small"], "error: preset 'small' loads a pretrained model"),
         (["--preset", "paper", "--model-path", "/nonexistent/qwen"], "error: model.path '/nonexistent/qwen'"),
     ],
@@ -272,6 +278,14 @@ def test_bad_config_is_one_error_line_nonzero_exit_and_nothing_written(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message)
     assert not run_dir.exists()
+
+
+def test_a_key_in_the_wrong_section_is_one_line_naming_the_right_one(tmp_path, capsys):
+    assert kuhn_poker.main(["--set", "train.lr=1e-3", "--run-dir", str(tmp_path / "run")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: unknown config key 'train.lr'")
+    assert line.endswith("did you mean 'optim.lr'?")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_model_folder_with_nan_weights_is_one_error_line_naming_the_tensor(tiny_hf_model, tmp_path, capsys,

@@ -12,7 +12,7 @@ from experiments import presets
 from experiments.common import parse_command_line
 from experiments.environments import ENVIRONMENTS, environment
 from mage_jax import config as C
-from mage_jax.training.assemble import env_options
+from mage_jax.training.assemble import env_options, make_task_sampler
 
 ENVS = tuple(ENVIRONMENTS)
 MODULES = (
@@ -79,6 +79,24 @@ def test_every_environment_has_a_cpu_recipe_for_small_real_models(env, model_dir
     small = environment(env).config("small", {"model.path": model_dir})
     assert (r.num_episodes, r.memory_mode, r.max_turns) == (
         small.rollout.num_episodes, small.rollout.memory_mode, small.rollout.max_turns)
+
+
+def test_the_kuhn_poker_cpu_training_recipe_can_show_adaptation_and_keeps_the_method(model_dir):
+    """``smollm2-cpu`` (docs/results.md): every opponent trained against, a memory that shows the earlier
+    trials, groups of several copies, the decision token's loss not averaged away, evaluation sampled
+    from the policy itself; the method stays MAGE's (differential reward, GiGPO, PPO with KL)."""
+    cfg = environment("kuhn_poker").config("smollm2-cpu", {"model.path": model_dir})
+    r, o, a = cfg.rollout, cfg.optim, cfg.algorithm
+    sampler = make_task_sampler(cfg)
+    met = {t.opponent for i in range(sampler.rotation_period) for t in sampler.sample_train(i)}
+    assert met == set(cfg.env.opponents)
+    assert r.memory_mode in ("history_only", "history_and_reflection") and r.num_episodes == 3
+    assert r.group_size >= 4 and r.constrained_actions and cfg.env.options["trial_hint"]
+    assert o.aggregation == "seq-mean-token-sum"  # one free token per play row carries the row's loss
+    assert (cfg.sampling.eval.top_p, cfg.sampling.eval.top_k) == (1.0, 0)  # no cut after the action mask
+    assert (a.reward, a.estimator, a.anchor) == ("differential", "gigpo", "global") and o.kl_coef > 0
+    assert (o.clip_eps, o.dual_clip, o.epochs) == (0.2, 3.0, 1) and cfg.model.lora_rank > 0
+    assert cfg.train.iterations >= 100 and r.max_prompt_tokens + r.max_new_tokens <= 512
 
 
 @pytest.mark.parametrize("env", ENVS)

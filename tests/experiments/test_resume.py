@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from experiments import evaluate, kuhn_poker
+from experiments.common import parse_command_line
 from mage_jax.logging import read_jsonl
 from mage_jax.training.run import FINISHED_FILE
 from tests.experiments.conftest import comparable
@@ -73,6 +74,37 @@ def test_resume_refuses_a_change_of_the_runs_own_settings_in_one_line_and_rewrit
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == files
 
 
+@pytest.mark.parametrize("key, value", [("optim.lr", 0.5), ("rollout.num_tasks", 3)])
+def test_resuming_a_run_whose_config_was_edited_since_its_checkpoint_is_one_line_and_rewrites_nothing(
+        finished, copy_of, capsys, key, value):
+    """Editing the run's config.json by hand and resuming would continue silently as another run: the
+    checkpoint's own record of the config tells, and the resume is refused before anything is written."""
+    run_dir = copy_of(finished)
+    config = json.loads((run_dir / "config.json").read_text())
+    section, name = key.split(".")
+    saved, config[section][name] = config[section][name], value
+    (run_dir / "config.json").write_text(json.dumps(config))
+    files = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume", "--train.iterations", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: {run_dir}/config.json says {key}={value!r}, but its checkpoint of "
+                             f"iteration 2 was trained with {saved!r}"), err
+    assert f"put {key} back to resume" in err[0]
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == files
+
+
+def test_resume_may_change_how_environments_are_stepped(finished):
+    """Worker processes give the same results (docs/reliability.md), so a run stopped by a failing
+    worker may go on in process, or with a longer reply deadline."""
+    parsed = parse_command_line(["--run-dir", str(finished), "--resume", "--train.iterations", "3",
+                                 "--env.workers", "0", "--env.reply_timeout", "900"],
+                                experiment="kuhn_poker", presets=kuhn_poker.PRESETS, default_preset="tiny")
+    cfg, options = parsed
+    assert options.resume and cfg.env.workers == 0 and cfg.env.reply_timeout == 900.0
+
+
 def test_samples_of_what_the_model_wrote_are_logged_per_evaluation_and_every_k_iterations(finished):
     logged = samples(finished)
     assert sorted({(s["split"], s["iteration"]) for s in logged}) == [
@@ -94,17 +126,20 @@ def test_a_kill_after_the_final_records_and_before_the_finish_mark_duplicates_no
     assert comparable(run_dir) == comparable(finished)
     assert samples(run_dir) == samples(finished)
     assert (run_dir / FINISHED_FILE).exists() and (run_dir / "summary.json").exists()
-    assert "rows generated" not in capsys.readouterr().err  # logging.progress false: no progress
+    assert "tokens generated" not in capsys.readouterr().err  # logging.progress false: no progress
 
 
-def test_resume_may_train_a_finished_run_further_and_change_cadences(finished, copy_of, capsys):
+def test_resume_may_train_a_finished_run_further_and_change_cadences(finished, copy_of, capsys, monkeypatch):
+    monkeypatch.setenv("MAGE_PROGRESS_SECONDS", "0")  # a progress line for every change, not every 30 s
     run_dir = copy_of(finished)
     argv = ["--run-dir", str(run_dir), "--resume", "--train.iterations", "3", "--checkpoint.keep", "1",
             "--logging.progress", "true"]
     capsys.readouterr()
     assert kuhn_poker.main(argv) == 0
     out, err = capsys.readouterr()
-    assert "iteration 3: rollout, 4 rows generated" in err  # progress inside the iteration
+    # stderr is no terminal here: plain lines, no bar redrawn with carriage returns
+    assert "\r" not in err and "train: 2/3 iterations (66%)" in err
+    assert "iteration 3: rollout, 4 turns, " in err and " tokens generated" in err  # inside the iteration
     assert "rollout_succ=" in err and "rollout_pay=" in err  # the bar's numbers name the training rollout
     # The bar ends on the state the table below measures, not on the last rollout's numbers.
     selected = json.loads((run_dir / "summary.json").read_text())["selected_iteration"]
@@ -113,7 +148,7 @@ def test_resume_may_train_a_finished_run_further_and_change_cadences(finished, c
     assert "rollout_" not in last_bar
     table = out.splitlines()
     header = next(line for line in table if line.startswith("opponent"))
-    assert header.split()[:6] == ["opponent", "k", "success", "draw", "payoff", "valid"]
+    assert header.split()[:6] == ["opponent", "k", "success±se", "draw", "payoff±se", "valid"]
     assert table[table.index(header) + 1].split()[5] == "100%"  # constrained decoding: every action legal
     assert records(run_dir) == [("train", 1), ("train", 2), ("validation", 2), ("eval", 2), ("heldout", 2),
                                 ("train", 3), ("validation", 3), ("eval", 3), ("heldout", 3)]

@@ -99,3 +99,26 @@ def test_legal_action_automata_at_qwens_vocabulary_take_kilobytes_on_the_device_
     assert columns.nbytes == vocab * 4  # the token -> column map, sent once per run (and when it grows)
     device = bank.device()
     assert device.columns.shape == (vocab,) and bank.uploaded_bytes == columns.nbytes + tables.nbytes
+
+
+def test_a_new_automaton_is_uploaded_with_the_columns_it_adds_and_an_old_one_uploads_nothing():
+    """The device bank follows the host's: after an automaton with tokens no earlier one treats specially
+    arrives, the next ``device()`` holds its table row and the grown token -> column map (read directly,
+    not through an environment's rollout); a known automaton sends nothing again."""
+    bank = ConstraintBank(VOCAB)
+    first = automaton_from_completions([[5, 6], [7]], VOCAB, EOS)
+    bank.index(first)
+    before = bank.device()
+    sent = bank.uploaded_bytes
+    second = automaton_from_completions([[20, 21, 22]], VOCAB, EOS)  # new tokens: new columns
+    rule = bank.index(second)
+    after = bank.device()
+    columns, tables = bank.host_arrays()
+    np.testing.assert_array_equal(np.asarray(after.columns), columns)
+    np.testing.assert_array_equal(np.asarray(after.tables), tables)
+    assert not np.array_equal(np.asarray(before.columns), columns)  # the map grew, and was sent again
+    assert bank.uploaded_bytes == sent + columns.nbytes + tables.nbytes
+    allowed, _ = bank_rows(after, jnp.asarray([rule]), jnp.zeros(1, jnp.int32))
+    assert np.flatnonzero(np.asarray(allowed[0])).tolist() == [20]  # the new automaton's first token
+    bank.index(automaton_from_completions([[5, 6], [7]], VOCAB, EOS))  # known content
+    assert bank.device() is after and bank.uploaded_bytes == sent + columns.nbytes + tables.nbytes

@@ -152,7 +152,7 @@ def test_greedy_engine_gives_the_lockstep_samplers_tokens_and_logprobs(tiny_samp
         np.testing.assert_array_equal(out[i].tokens, ref.tokens[i])
         np.testing.assert_allclose(out[i].logprobs, ref.logprobs[i], atol=1e-5)
         assert out[i].finished == ref.finished[i]
-    assert [len(out[i].tokens) for i in (1, 3, 6)] and out[4].tokens.size == 0
+    assert all(len(out[i].tokens) > 0 for i in (1, 3, 6)) and out[4].tokens.size == 0
     # 8 requests, 6 distinct prompts: the twins of prompts 1 and 0 were not prefilled again.
     assert session.stats.requests == 8 and session.stats.prefill_rows == 6
     assert session.stats.prefill_tokens == sum(len(p) for i, p in enumerate(prompts) if i not in (3, 7))
@@ -200,22 +200,24 @@ def watch_dispatches(session, monkeypatch) -> list[int]:
     return windows
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap, chunk", [(False, 3), (True, 3), (False, 7)])
 def test_decode_windows_read_only_the_cache_prefix_the_slots_need_and_give_the_same_tokens(
-        tiny_sampler, monkeypatch, overlap):
+        tiny_sampler, monkeypatch, overlap, chunk):
     """``window_levels=3``: a chunk attends over the smallest of the whole cache (16 + 12 positions), its
     half and its quarter that holds its furthest slot's next writes. Prompts of the 8-token bucket start
-    decoding at position 8, so their first chunks read 14 positions; the same greedy tokens and
-    log-probs as the lockstep sampler, with and without overlap. The window comes from the host's bound
-    of each slot's write position: at every dispatch it is at least the device's, and choosing it reads
-    nothing back from the device (so a dispatch never waits for the inserts before it)."""
+    decoding at position 8, so with chunks of 3 their first chunks read 14 positions; the same greedy
+    tokens and log-probs as the lockstep sampler, with and without overlap. A chunk of 7 from position 8
+    writes up to position 14, one past the half window: it must read the whole cache (a window one
+    position short drops the chunk's last write). The window comes from the host's bound of each slot's
+    write position: at every dispatch it is at least the device's, and choosing it reads nothing back
+    from the device (so a dispatch never waits for the inserts before it)."""
     sampler, state = tiny_sampler
     prompts, limits, automata = mixed_batch()
     prompts = [p[:8] for p in prompts]  # the 8-token bucket (the twins stay twins)
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     ref = sampler.generate(state, prompts, params, jax.random.key(0), constraints=automata,
                            max_new_tokens_per_row=np.asarray(limits))
-    engine = compiled_engine(sampler.spec, slots=3, max_new_tokens=12, chunk=3, window_levels=3,
+    engine = compiled_engine(sampler.spec, slots=3, max_new_tokens=12, chunk=chunk, window_levels=3,
                              overlap=overlap)
     programs = engine.programs
     assert programs.windows == (7, 14, 28)
@@ -227,8 +229,26 @@ def test_decode_windows_read_only_the_cache_prefix_the_slots_need_and_give_the_s
         np.testing.assert_array_equal(out[i].tokens, ref.tokens[i])
         np.testing.assert_allclose(out[i].logprobs, ref.logprobs[i], atol=1e-5)
     windows = session.stats.window_steps
-    assert windows.get(14, 0) > 0 and windows.get(28, 0) > 0, windows  # short, then the long responses
+    assert windows.get(28, 0) > 0, windows  # the long responses
+    if chunk == 3:
+        assert windows.get(14, 0) > 0, windows  # the short ones first
     assert sum(windows.values()) == session.stats.decode_steps and len(windows_used) > 2
+
+
+@pytest.mark.parametrize("chunk, levels", [(3, 3), (7, 3), (2, 4), (5, 1)])
+def test_a_chunks_window_is_the_smallest_that_holds_its_writes_at_every_write_position(tiny_sampler, chunk,
+                                                                                         levels):
+    """``CompiledSlotPrograms.window`` at every position a slot can write from: the window holds the
+    chunk's writes (positions ``w .. w + chunk - 1``, so ``w + chunk`` of them, the cache at most), and no
+    smaller window does."""
+    sampler, _ = tiny_sampler
+    programs = compiled_engine(sampler.spec, slots=3, max_new_tokens=12, chunk=chunk,
+                               window_levels=levels).programs
+    for write in range(programs.max_len):
+        window = programs.window(write)
+        need = min(write + chunk, programs.max_len)
+        assert window in programs.windows and window >= need, (write, window)
+        assert all(w < need for w in programs.windows if w < window), (write, window)
 
 
 def test_a_prompt_copied_after_its_slot_moved_comes_from_the_moved_slot(tiny_sampler, engines, monkeypatch):

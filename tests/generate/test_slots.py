@@ -70,6 +70,28 @@ def test_a_prompt_copied_from_a_donor_slot_decodes_like_a_prefilled_one(tiny):
     assert response(slots, 0) == response(slots, 2) == reference.tokens[1].tolist()
 
 
+def test_slot_0_as_a_donor_gives_its_prompt_like_any_other_slot(tiny):
+    """The donor index 0 is a slot like the others (the insert marks "no donor" with -1, not 0)."""
+    _, programs, state, reference = tiny
+    slots = insert(programs, state, programs.empty(), [PROMPTS[2]], [0], [0])
+    donor = Donor(slot=0, bucket=16, length=len(PROMPTS[2]))
+    slots = insert(programs, state, slots, [], [0, 0], [3, 1], donors=[donor, donor])
+    slots, _ = programs.decode(state, slots, GREEDY, jax.random.key(0))
+    for s in (0, 1, 3):
+        assert response(slots, s) == reference.tokens[2].tolist(), s
+
+
+def test_engines_of_one_model_with_other_prompt_buckets_do_not_share_programs(tiny, tiny_model):
+    """``CompiledSlotPrograms.shared`` gives one instance per model graph and shapes: the prompt buckets set
+    the insert's shapes and the cache length, so specs that differ only in them get their own."""
+    spec, _, _, _ = tiny
+    shape = {"slots": 4, "max_new_tokens": 6, "chunk": 2}
+    first = CompiledSlotPrograms.shared(spec, **shape)
+    assert CompiledSlotPrograms.shared(spec_of(tiny_model, (16,)), **shape) is first
+    other = CompiledSlotPrograms.shared(spec_of(tiny_model, (8, 32)), **shape)
+    assert other is not first and other.max_len == 32 + 6 and first.max_len == 16 + 6
+
+
 def test_a_moved_slot_carries_its_cache_row_and_every_field_and_decodes_on(tiny):
     _, programs, state, reference = tiny
     slots = insert(programs, state, programs.empty(), PROMPTS[:2], [0, 1], [1, 3])

@@ -12,6 +12,7 @@ import pytest
 from mage_jax.generate.constraints import automaton_from_completions, stack_automata
 from mage_jax.generate.step import (
     GREEDY,
+    KEY_PATH_LEN,
     PLAIN,
     SORTED,
     TOP_K,
@@ -182,3 +183,23 @@ def test_one_key_per_row_draws_each_row_as_if_it_were_alone():
     draws = {int(step(logits[:1], None, [0], keys[j:j + 1], [False], params=sampled).token[0])
              for j in range(4)}
     assert len(draws) > 1  # the keys differ, and so do the draws
+
+
+def test_row_keys_differ_when_key_paths_differ_in_any_one_component_or_the_token_index():
+    """A row's key is its key path folded into the run's key, component by component, then its token index:
+    changing any single component (meta-episode, episode, phase/turn) or the index gives another key, so
+    the turns of one episode never share random draws; the same path and index give the same key."""
+    key = jax.random.key(3)
+    base = np.asarray([5, 1, 2], np.int32)
+    assert len(base) == KEY_PATH_LEN
+    paths = [base]
+    for position in range(KEY_PATH_LEN):
+        changed = base.copy()
+        changed[position] += 1
+        paths.append(changed)
+    keys = row_keys(key, jnp.asarray(np.stack([*paths, base])), jnp.asarray([4] * (len(paths) + 1)))
+    data = [tuple(np.asarray(jax.random.key_data(k)).tolist()) for k in keys]
+    assert len(set(data[:-1])) == len(paths), data  # each one-component change: another key
+    assert data[-1] == data[0]  # the same path and index: the same key
+    later = row_keys(key, jnp.asarray(base[None]), jnp.asarray([5]))
+    assert tuple(np.asarray(jax.random.key_data(later[0])).tolist()) != data[0]

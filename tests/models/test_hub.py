@@ -19,7 +19,7 @@ REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
-    """``HF_HUB_CACHE`` holding ``tiny-org/tiny-qwen3`` the way ``huggingface-cli download`` leaves it."""
+    """``HF_HUB_CACHE`` holding ``tiny-org/tiny-qwen3`` the way ``hf download`` leaves it."""
     cache = tmp_path / "hub"
     repo = cache / "models--tiny-org--tiny-qwen3"
     snapshot = repo / "snapshots" / REVISION
@@ -60,5 +60,5 @@ def test_a_name_neither_a_folder_nor_cached_is_one_error_line(hub_cache, tmp_pat
     assert kuhn_poker.main(argv) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: model path 'tiny-org/not-downloaded' is neither a local folder nor")
-    assert "huggingface-cli download tiny-org/not-downloaded --local-dir DIR" in line
+    assert "hf download tiny-org/not-downloaded --local-dir DIR" in line
     assert not run_dir.exists()

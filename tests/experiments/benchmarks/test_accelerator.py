@@ -1,6 +1,7 @@
 """The accelerator check (``python -m experiments.benchmarks.accelerator``): every stage runs at toy
-sizes on the CPU and every correctness comparison compares something real; a stage that fails leaves the
-stages before it on disk; a bad command line is one error line and writes nothing. Not timed."""
+sizes on the CPU (a few stages per test, so that no test nears the suite's per-test limit on a loaded
+machine) and every correctness comparison compares something real; a stage that fails leaves the stages
+before it on disk; a bad command line is one error line and writes nothing. Not timed."""
 
 import json
 import math
@@ -17,40 +18,109 @@ DECODER_CHECKS = {f"decoder_{what}/{arch}/{dtype}" for what in ("logits", "greed
                   for arch in ("qwen3", "llama") for dtype in ("float32", "bfloat16")}
 
 
-@pytest.mark.slow
-def test_tiny_run_measures_every_stage_and_every_check_compares_something(tmp_path, tiny_hf_model):
+def tiny_run(tmp_path, *argv: str) -> tuple[dict, str]:
+    """``--tiny`` with ``argv``: the report (checked against its JSON file) and the markdown table."""
     out = tmp_path / "accelerator.json"
-    report = accelerator.main(["--tiny", "--out", str(out), "--model-path", tiny_hf_model])
+    report = accelerator.main(["--tiny", "--out", str(out), *argv])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report, default=str))
     stages = report["stages"]
-    assert list(stages) == list(STAGES)
-    assert {name: s["status"] for name, s in stages.items()} == {name: "ok" for name in STAGES}, {
+    assert {name: s["status"] for name, s in stages.items()} == {name: "ok" for name in stages}, {
         name: s.get("error") for name, s in stages.items()}
-    table = (tmp_path / "accelerator.md").read_text()
-    assert all(f"| {name} |" in table for name in STAGES) and "| correctness | 13 / 13 checks pass" in table
+    return stages, (tmp_path / "accelerator.md").read_text()
 
+
+STAND_INS = {
+    "environment": {"device_kind": "cpu", "backend": "cpu", "matmul_bf16_tflops": 0.1, "copy_gbps": 5.0},
+    "correctness": {"all_pass": True, "checks": [{"name": "a", "pass": True}]},
+    "train": {"ours": {"mfu": 0.1, "tokens_per_s": 10.0}, "torch": {"tokens_per_s": 11.0},
+              "ratio_ours_over_torch": {"median": 0.9}},
+    "decode": {"rows": 4, "fraction_of_copy_bandwidth": 0.1, "decode_ratio_ours_over_hf": 1.5,
+               "ours": {"decode_tokens_per_s": {"median": 50.0}}},
+    "rollout": {"speedup": 1.2, "useful_decode_fraction": {"engine": 0.5}, "compiles_after_warmup": 0,
+                "greedy_identical": True},
+    "decode_layout": {"scanned_over_unrolled": 0.5, "path": "engine", "layers": 2, "batch": 2,
+                      "prompt_len": 8, "greedy_identical": True},
+    "real_model": {"seconds_per_iteration": 1.0, "iterations": [{"payoff_by_episode": [0.0, 0.5]}]},
+}
+"""What each stage's stand-in returns: the fields the table reads."""
+
+
+def test_a_tiny_run_of_every_stage_writes_each_in_order_with_its_table_row(tmp_path, monkeypatch):
+    """The whole command, every stage in its fixed order, each stage replaced by a stand-in (the real
+    ones run below, a few per test: together they took 480-570 s on a loaded machine, too close to the
+    suite's per-test limit). Each stand-in sees the results of the stages before it."""
+    assert set(STAND_INS) == set(STAGES)
+    seen: list[tuple[str, list[str]]] = []
+    for name in STAGES:
+        def stand_in(given, name=name):
+            seen.append((name, list(given.prior)))
+            return dict(STAND_INS[name])
+        monkeypatch.setitem(accelerator.STAGES, name, stand_in)
+    (tmp_path / "config.json").write_text("{}")  # a model folder, as far as the command line checks
+    stages, table = tiny_run(tmp_path, "--model-path", str(tmp_path))
+    assert list(stages) == list(STAGES) and [name for name, _ in seen] == list(STAGES)
+    assert all(prior == list(STAGES)[:i] for i, (_, prior) in enumerate(seen))
+    assert all(f"| {name} |" in table for name in STAGES)
+
+
+def test_the_tiny_environment_stage_measures_the_ceilings_and_names_the_versions(tmp_path):
+    stages, table = tiny_run(tmp_path, "--stages", "environment")
     env = stages["environment"]
     assert env["backend"] == "cpu" and env["matmul_bf16_tflops"] > 0 and env["copy_gbps"] > 0
     assert set(env["versions"]) >= {"jax", "jaxlib", "flax", "optax", "orbax", "transformers", "torch",
                                     "python"}
+    assert "| environment | cpu (cpu): bf16 matmul " in table
 
-    checks = {c["name"]: c for c in stages["correctness"]["checks"]}
-    assert set(checks) >= DECODER_CHECKS
-    assert {"attention/blockwise/padding/float32", "attention/prefix/packed/float32",
-            "engine_greedy_equals_lockstep/kuhn_poker"} <= set(checks)
-    for check in checks.values():
+
+def test_the_correctness_stage_runs_every_group_and_names_what_it_cannot_compare_here(tmp_path, monkeypatch):
+    """The stage's 13 checks on a CPU: logits and greedy tokens of both decoders in both dtypes, blockwise
+    and prefix attention with padding and packing, the engine's greedy rollout (each group runs for real
+    in the test below); the GPU and TPU kernels are listed as not compared."""
+    checks = accelerator_correctness
+    monkeypatch.setattr(checks, "decoder_checks", lambda given, arch: [
+        comparison(f"decoder_{what}/{arch}/{dtype}", 1, 0.0, 0.0)
+        for what in ("logits", "greedy") for dtype in ("float32", "bfloat16")])
+    monkeypatch.setattr(checks, "attention_check", lambda given, impl, case, dtype: comparison(
+        f"attention/{impl}/{case}/{dtype}", 1, 0.0, 0.0))
+    monkeypatch.setattr(checks, "engine_check", lambda given: comparison(
+        "engine_greedy_equals_lockstep/kuhn_poker", 1, 0.0, 0.0))
+    result = checks.correctness(StageInput(TINY, {}, None, str(tmp_path)))
+    names = [c["name"] for c in result["checks"]]
+    attention = {f"attention/{impl}/{case}/float32" for impl in ("blockwise", "prefix")
+                 for case in ("padding", "packed")}
+    assert len(names) == 13
+    assert set(names) == DECODER_CHECKS | attention | {"engine_greedy_equals_lockstep/kuhn_poker"}
+    skipped = {(s["implementation"], s["case"]) for s in result["not_compared_here"]}
+    assert {("cudnn", "padding"), ("cudnn", "packed"), ("splash", "padding, packed")} == skipped
+    assert result["all_pass"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", ["decoder/qwen3", "decoder/llama", "attention", "engine"])
+def test_every_tiny_correctness_check_compares_something_real(tmp_path, group):
+    """Each group of the correctness stage at toy sizes, one group per test (the whole stage took 245-320 s
+    on a loaded machine): every comparison passes, compares values, and says what it compared."""
+    checks = accelerator_correctness
+    given = StageInput(TINY, {}, None, str(tmp_path))
+    if group.startswith("decoder/"):
+        arch = group.split("/")[1]
+        results = checks.decoder_checks(given, arch)
+        assert {c["name"] for c in results} == {n for n in DECODER_CHECKS if f"/{arch}/" in n}
+    elif group == "attention":
+        results = [checks.attention_check(given, *plan) for plan in checks.attention_plan("cpu")]
+        assert {c["implementation"] for c in results} == {"blockwise", "prefix"}
+        assert all(c["reference"] == "dense" for c in results)  # the JSON names what ran against what
+    else:
+        results = [checks.engine_check(given)]
+        assert results[0]["rows"] > results[0]["slots"]
+    for check in results:
         assert check["pass"] and check["values_compared"] > 0, check
         assert math.isfinite(check["max_abs_diff"]) and check["max_abs_diff"] <= check["tolerance"], check
-    # The JSON never pretends: what ran is named, and the GPU / TPU kernels are listed as not compared.
-    attention = [c for c in checks.values() if c["name"].startswith("attention/")]
-    assert {c["implementation"] for c in attention} == {"blockwise", "prefix"}
-    assert all(c["reference"] == "dense" for c in attention)
-    skipped = {(s["implementation"], s["case"]) for s in stages["correctness"]["not_compared_here"]}
-    assert {("cudnn", "padding"), ("cudnn", "packed"), ("splash", "padding, packed")} == skipped
-    assert checks["engine_greedy_equals_lockstep/kuhn_poker"]["rows"] > checks[
-        "engine_greedy_equals_lockstep/kuhn_poker"]["slots"]
-    assert stages["correctness"]["all_pass"]
 
+
+@pytest.mark.slow
+def test_the_tiny_train_and_decode_stages_measure_against_their_peers(tmp_path):
+    stages, _ = tiny_run(tmp_path, "--stages", "environment,train,decode")
     train = stages["train"]
     for side in ("ours", "torch"):
         assert train[side]["tokens_per_s"] > 0 and train[side]["mfu"] > 0
@@ -63,15 +133,27 @@ def test_tiny_run_measures_every_stage_and_every_check_compares_something(tmp_pa
     assert decode["rows"] == TINY.decode_rows
     assert decode["ours"]["decode_tokens"] == TINY.decode_rows * (TINY.decode_new_tokens - 1)
     assert decode["hf"]["new_tokens"] == TINY.decode_rows * TINY.decode_new_tokens
-    assert decode["bytes_per_step"] > 0 and decode["copy_gbps_measured"] == env["copy_gbps"]
+    assert decode["bytes_per_step"] > 0 and decode["copy_gbps_measured"] == stages["environment"]["copy_gbps"]
 
-    layout = stages["decode_layout"]
-    assert layout["path"] == "engine" and layout["greedy_identical"] and layout["scanned_over_unrolled"] > 0
 
+@pytest.mark.slow
+def test_the_tiny_rollout_stage_gives_the_lockstep_greedy_tokens(tmp_path):
+    stages, _ = tiny_run(tmp_path, "--stages", "rollout")
     roll = stages["rollout"]
     assert roll["greedy_identical"] and roll["speedup"] > 0
     assert 0 < roll["useful_decode_fraction"]["engine"] <= 1
 
+
+@pytest.mark.slow
+def test_the_tiny_decode_layout_stage_gives_the_unrolled_greedy_tokens(tmp_path):
+    stages, _ = tiny_run(tmp_path, "--stages", "decode_layout")
+    layout = stages["decode_layout"]
+    assert layout["path"] == "engine" and layout["greedy_identical"] and layout["scanned_over_unrolled"] > 0
+
+
+@pytest.mark.slow
+def test_the_tiny_real_model_stage_trains_an_iteration_of_the_folder(tmp_path, tiny_hf_model):
+    stages, _ = tiny_run(tmp_path, "--stages", "real_model", "--model-path", tiny_hf_model)
     real = stages["real_model"]
     assert real["model_path"] == tiny_hf_model and len(real["iterations"]) == 1
     assert len(real["iterations"][0]["payoff_by_episode"]) == 2 and real["seconds_per_iteration"] > 0
