@@ -166,7 +166,7 @@ def test_the_test_extra_bounds_pytest_xdist_to_the_minor_release_the_scheduler_w
     rename: the extra admits one minor release, the installed one lies inside it, and every internal the
     scheduler touches is still there."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    (spec,) = [Requirement(r).specifier for r in extras["test-core"] if Requirement(r).name == "pytest-xdist"]
+    (spec,) = [Requirement(r).specifier for r in extras["test"] if Requirement(r).name == "pytest-xdist"]
     lower = [s.version for s in spec if s.operator == ">="]
     upper = [s.version for s in spec if s.operator == "<"]
     assert lower and upper, f"pytest-xdist{spec} must have a lower and an upper bound"
