@@ -35,5 +35,5 @@ def test_a_second_run_in_the_process_compiles_no_training_program(tmp_path, capl
         second = compiled(caplog)
     assert [n for n in second if n in TRAINING_PROGRAMS] == []
     # The first run compiled them (the advantage estimator's shape is not the model's: another test
-    # may have compiled it first).
-    assert {"_update_fn", "logprobs", "init_fn", "all_finite"} <= set(first)
+    # may have compiled it first; the smoke run's one update of one mini-batch recomputes no log-probs).
+    assert {"_update_fn", "init_fn", "all_finite"} <= set(first)
