@@ -208,8 +208,8 @@ def make_setup(cfg: C.ExperimentConfig, devices: int, *, num_layers: int | None 
     opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_state,
                              opt_shardings)
     shardings = jax.tree.map(lambda a: a.sharding, params)
-    sampler = assemble.make_sampler(cfg, mesh, model_config, graphdef, shardings, eos_ids=[1], pad_id=0)
-    engine = assemble.make_engine(cfg, sampler, mesh)
+    spec = assemble.make_spec(cfg, mesh, model_config, graphdef, shardings, eos_ids=[1], pad_id=0)
+    sampler, engine = assemble.make_sampler(cfg, spec, mesh), assemble.make_engine(cfg, spec, mesh)
     return Setup(cfg, model_config, mesh, graphdef, params, opt_state, step, sampler, engine)
 
 
@@ -239,9 +239,9 @@ def rollout_shape(setup: Setup) -> tuple[int, int, int]:
     """(rows, prompt tokens, new tokens) of the rollout's programs: the engine's slots (lockstep: the
     sampler's largest row bucket), the longest prompt bucket, the longest response (play or
     reflection)."""
-    prompt = setup.sampler.prompt_buckets[-1]
+    prompt = setup.sampler.spec.prompt_buckets[-1]
     if setup.engine is not None:
-        return setup.engine.num_slots, prompt, setup.engine.kernels.max_new_tokens
+        return setup.engine.num_slots, prompt, setup.engine.programs.max_new_tokens
     r = setup.cfg.rollout
     return setup.sampler.batch_buckets[-1], prompt, r.max_new_tokens
 
@@ -261,7 +261,8 @@ def compile_rollout(setup: Setup, name: str) -> Any:
     ``decode``, or ``lockstep``."""
     from mage_jax import aot
 
-    lowered = aot.lower_rollout(setup.sampler, setup.engine, setup.params, rollout_sampling(setup))
+    programs = None if setup.engine is None else setup.engine.programs
+    lowered = aot.lower_rollout(setup.sampler, programs, setup.params, rollout_sampling(setup))
     return lowered[name].compile()
 
 
@@ -273,7 +274,7 @@ def kv_cache_bytes(setup: Setup) -> int:
     from mage_jax.models.transformer import init_cache
 
     if setup.engine is not None:
-        return device_bytes(setup.engine.kernels.abstract_slots().cache)
+        return device_bytes(setup.engine.programs.abstract_slots().cache)
     rows, prompt, new_tokens = rollout_shape(setup)
     cache = jax.eval_shape(lambda: init_cache(setup.model_config, rows, prompt + new_tokens))
     return device_bytes(cache, cache_sharding(setup.model_config, setup.mesh, rows))

@@ -52,6 +52,8 @@ from mage_jax.models import sharding as shd
 from mage_jax.training.xla_options import train_step_compiler_options
 
 TOKEN_FIELDS = ("tokens", "positions", "token_mask", "targets", "response_mask")
+TOKEN_DTYPES = (jnp.int32, jnp.int32, jnp.bool_, jnp.int32, jnp.bool_)
+"""The dtype of each of ``TOKEN_FIELDS``."""
 
 
 @flax.struct.dataclass
@@ -106,6 +108,25 @@ class TrainBatch:
             advantages=adv,
             transitions=packed.row_transitions(safe) if constrained else None,
         )
+
+    @classmethod
+    def abstract(cls, rows: int, length: int, *, update: bool, reference: bool = False,
+                 sharding: Any = None) -> TrainBatch:
+        """The shapes and dtypes of a batch of ``rows`` x ``length`` (``jax.ShapeDtypeStruct`` leaves, for
+        ahead-of-time lowering): with ``update`` the advantages and old log-probs ``update`` receives (and
+        the reference log-probs with ``reference``), else what ``compute_logprobs`` receives; no
+        constraint tables. ``sharding(shape)`` places each leaf (None: unplaced)."""
+        def leaf(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=None if sharding is None else sharding(shape))
+
+        fields = {name: leaf((rows, length), dtype) for name, dtype in zip(TOKEN_FIELDS, TOKEN_DTYPES)}
+        fields["prompt_lengths"] = leaf((rows,), jnp.int32)
+        if update:
+            fields["advantages"] = leaf((rows,), jnp.float32)
+            fields["old_logprobs"] = leaf((rows, length), jnp.float32)
+            if reference:
+                fields["ref_logprobs"] = leaf((rows, length), jnp.float32)
+        return cls(**fields)
 
     @property
     def length(self) -> int:
