@@ -14,7 +14,8 @@ import pytest
 
 from tests._multiprocess import ROOT
 
-# A parent that starts one child through run_processes, prints the child's pid, and waits for it.
+# A parent that starts one child through run_processes, prints the child's pid, and waits for it; the child
+# makes the file READY once it runs its program.
 PARENT = """
 import sys
 from tests import _multiprocess
@@ -24,7 +25,8 @@ class Announcing(real):
         super().__init__(*args, **kwargs)
         print("CHILD", self.pid, flush=True)
 _multiprocess.subprocess.Popen = Announcing
-_multiprocess.run_processes("import time; time.sleep(600)", n=1, devices_per_process=1, timeout=600)
+_multiprocess.run_processes("import os, time; open(os.environ['READY'], 'w').close(); time.sleep(600)",
+                            n=1, devices_per_process=1, timeout=600)
 """
 
 
@@ -47,14 +49,18 @@ def _gone_within(pid: int, seconds: float) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the death signal is Linux's")
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
-def test_a_child_process_does_not_outlive_its_interrupted_or_killed_parent(how):
+def test_a_child_process_does_not_outlive_its_interrupted_or_killed_parent(how, tmp_path):
+    ready = tmp_path / "ready"
     parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": ROOT})
+                              env={**os.environ, "PYTHONPATH": ROOT, "READY": str(ready)})
     try:
         line = parent.stdout.readline()
         assert line.startswith("CHILD "), line
         child = int(line.split()[1])
-        assert _alive(child)
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists() and _alive(child)  # the child runs its program: it would sleep 600 s
         parent.send_signal(how)
         parent.wait(timeout=60)
         assert _gone_within(child, 30), f"the child {child} outlived its parent ({how.name})"
