@@ -158,7 +158,9 @@ class StepConfig:
     response_len: int = 0
     """The most response tokens of any row (the generation bound): the head computes logits at these
     positions of each row only, not at its prompt positions, whose log-probs nothing uses. 0: every
-    position (the [R, T, V] head)."""
+    position (the [R, T, V] head). On one device only: over a mesh of several, the per-row gathers of
+    the span partitioned into a program whose devices deadlocked (8 CPU devices, one of them never
+    reaching an all-reduce: ``tests/training/test_multiprocess.py``), so there the whole-row head runs."""
     micro_batch_rows: int = 0
     """Rows per forward/backward pass inside one update (gradient accumulation); 0: the whole mini-batch."""
     adapters_only: bool = False
@@ -287,7 +289,7 @@ class TrainStep:
         hidden, _ = model(batch.tokens, batch.positions, batch.token_mask)
         span = self.config.response_len
         length = batch.targets.shape[1]
-        if span <= 0 or span >= length:
+        if span <= 0 or span >= length or self.mesh.size > 1:
             allowed = self._allowed(batch) if batch.transitions is not None else None
             return losses.token_logprobs_and_entropy(
                 hidden, model.head_weight(), batch.targets, chunk_size=self.config.chunk_size,
