@@ -42,9 +42,9 @@ from mage_jax import config as C
 from mage_jax.envs.workers import EnvWorkerError
 from mage_jax.models.hub import resolve_model_path
 from mage_jax.models.sharding import initialize_from_environment
+from mage_jax.training.health import TrainingStopped
 from mage_jax.training.run import EvaluationInterrupted, finished_iteration
 from mage_jax.training.signals import EXIT_SECOND_INTERRUPT, hold_until_exit
-from mage_jax.training.trainer import TrainingStopped
 
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_STOPPED = 3

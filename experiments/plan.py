@@ -180,8 +180,8 @@ def make_setup(cfg: C.ExperimentConfig, devices: int | Sequence[Any], *, num_lay
     opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_state,
                              opt_shardings)
     shardings = jax.tree.map(lambda a: a.sharding, params)
-    sampler = assemble.make_sampler(cfg, mesh, model_config, graphdef, shardings, eos_ids=[1], pad_id=0)
-    engine = assemble.make_engine(cfg, sampler, mesh)
+    spec = assemble.make_spec(cfg, mesh, model_config, graphdef, shardings, eos_ids=[1], pad_id=0)
+    sampler, engine = assemble.make_sampler(cfg, spec, mesh), assemble.make_engine(cfg, spec, mesh)
     return Setup(cfg, model_config, mesh, graphdef, params, opt_state, step, sampler, engine)
 
 
@@ -211,9 +211,9 @@ def rollout_shape(setup: Setup) -> tuple[int, int, int]:
     """(rows, prompt tokens, new tokens) of the rollout's programs: the engine's slots (lockstep: the
     sampler's largest row bucket), the longest prompt bucket, the longest response (play or
     reflection)."""
-    prompt = setup.sampler.prompt_buckets[-1]
+    prompt = setup.sampler.spec.prompt_buckets[-1]
     if setup.engine is not None:
-        return setup.engine.num_slots, prompt, setup.engine.kernels.max_new_tokens
+        return setup.engine.num_slots, prompt, setup.engine.programs.max_new_tokens
     r = setup.cfg.rollout
     return setup.sampler.batch_buckets[-1], prompt, r.max_new_tokens
 
@@ -233,7 +233,8 @@ def compile_rollout(setup: Setup, name: str) -> Any:
     ``decode``, or ``lockstep``."""
     from mage_jax import aot
 
-    lowered = aot.lower_rollout(setup.sampler, setup.engine, setup.params, rollout_sampling(setup))
+    programs = None if setup.engine is None else setup.engine.programs
+    lowered = aot.lower_rollout(setup.sampler, programs, setup.params, rollout_sampling(setup))
     return lowered[name].compile()
 
 
@@ -245,7 +246,7 @@ def kv_cache_bytes(setup: Setup) -> int:
     from mage_jax.models.transformer import init_cache
 
     if setup.engine is not None:
-        return device_bytes(setup.engine.kernels.abstract_slots().cache)
+        return device_bytes(setup.engine.programs.abstract_slots().cache)
     rows, prompt, new_tokens = rollout_shape(setup)
     cache = jax.eval_shape(lambda: init_cache(setup.model_config, rows, prompt + new_tokens))
     return device_bytes(cache, cache_sharding(setup.model_config, setup.mesh, rows))
@@ -428,7 +429,7 @@ def _plan_devices(cfg: C.ExperimentConfig, on: int | list[Any], *, layers: Seque
             shapes[name] = {"rows": r_rows, "length": prompt + new_tokens, "prompt": prompt,
                             "new_tokens": new_tokens}
     if "insert" in names:  # an insert prefills its one shape: insert_rows targets per device block
-        shapes["insert"]["rows"] = full.engine.kernels.insert_rows * full.engine.kernels.ways
+        shapes["insert"]["rows"] = full.engine.programs.insert_rows * full.engine.programs.ways
     measured: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in names}
     state_args: dict[str, dict[int, float]] = {p: {} for p in names}
     for n in depths:

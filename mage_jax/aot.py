@@ -23,8 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mage_jax.generate.engine import RolloutEngine
 from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.slots import CompiledSlotPrograms
 from mage_jax.generate.step import SamplingParams
 from mage_jax.models.sharding import replicated, rows_sharding
 from mage_jax.training.train_step import TrainBatch, TrainState, TrainStep
@@ -37,19 +37,10 @@ def abstract_rows(mesh: Any, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDty
 
 
 def abstract_train_batch(step: TrainStep, rows: int, length: int, *, update: bool) -> TrainBatch:
-    """An abstract ``TrainBatch`` of ``rows`` x ``length`` (``update``: with advantages and old /
-    reference log-probs, as ``update`` receives it; else as ``compute_logprobs`` does)."""
-    mesh = step.mesh
-    fields = {name: abstract_rows(mesh, (rows, length), dtype) for name, dtype in (
-        ("tokens", jnp.int32), ("positions", jnp.int32), ("token_mask", jnp.bool_), ("targets", jnp.int32),
-        ("response_mask", jnp.bool_))}
-    fields["prompt_lengths"] = abstract_rows(mesh, (rows,), jnp.int32)
-    if update:
-        fields["advantages"] = abstract_rows(mesh, (rows,), jnp.float32)
-        fields["old_logprobs"] = abstract_rows(mesh, (rows, length), jnp.float32)
-        if step.config.kl_coef > 0:
-            fields["ref_logprobs"] = abstract_rows(mesh, (rows, length), jnp.float32)
-    return TrainBatch(**fields)
+    """``TrainBatch.abstract`` of ``rows`` x ``length`` placed as ``TrainStep.place_batch`` places rows
+    (``update``: as ``update`` receives it, with the reference log-probs when the KL term is on)."""
+    return TrainBatch.abstract(rows, length, update=update, reference=step.config.kl_coef > 0,
+                               sharding=lambda shape: abstract_rows(step.mesh, shape, jnp.int32).sharding)
 
 
 def _update_programs(step: TrainStep, params: Any, opt_state: Any) -> tuple[Any, Any]:
@@ -97,18 +88,18 @@ def lower_logprobs(step: TrainStep, params: Any, rows: int, length: int) -> jax.
                                              True)
 
 
-def lower_rollout(sampler: Sampler, engine: RolloutEngine | None, params: Any,
+def lower_rollout(sampler: Sampler | None, programs: CompiledSlotPrograms | None, params: Any,
                   sampling: SamplingParams) -> dict[str, jax.stages.Lowered]:
-    """The rollout's generation programs at their largest shapes, by name: the engine's ``insert`` (its one
-    shape, ``insert_rows`` slots per device prefilled from prompts of the longest prompt bucket) and
-    ``decode`` (a chunk of every slot over the whole cache); without an engine the ``lockstep`` sampler's
-    largest call."""
-    prompt = sampler.prompt_buckets[-1]
-    if engine is None:
-        rows = sampler.batch_buckets[-1]
-        return {"lockstep": sampler.lower(params, sampling, rows=rows, prompt_len=prompt)}
-    kernels = engine.kernels
-    return {
-        "insert": kernels.lower_insert(params, sampling, prompt_len=prompt),
-        "decode": kernels.lower_decode(params, sampling),
-    }
+    """The rollout's generation programs at their largest shapes, by name: the engine's slot programs'
+    ``insert`` (its one shape, ``insert_rows`` slots per device prefilled from prompts of the longest
+    prompt bucket) and ``decode`` (a chunk of every slot over the whole cache); without them the
+    ``lockstep`` sampler's largest call."""
+    if programs is not None:
+        return {
+            "insert": programs.lower_insert(params, sampling, prompt_len=programs.spec.prompt_buckets[-1]),
+            "decode": programs.lower_decode(params, sampling),
+        }
+    if sampler is None:
+        raise ValueError("lower_rollout needs the engine's slot programs or the lockstep sampler")
+    rows, prompt = sampler.batch_buckets[-1], sampler.spec.prompt_buckets[-1]
+    return {"lockstep": sampler.lower(params, sampling, rows=rows, prompt_len=prompt)}

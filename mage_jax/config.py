@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from typing import Any, Literal
 
 from mage_jax import configtools
@@ -40,12 +39,11 @@ from mage_jax.configtools import (
     parse_assignment,
     to_dict,
 )
-from mage_jax.envs.prompts import MEMORY_MODES, STYLES
 from mage_jax.models.config import DTYPES
 from mage_jax.models.lora import LORA_TARGETS
 from mage_jax.models.sharding import MeshConfig
+from mage_jax.rollout.config import RolloutConfig, check_rollout
 from mage_jax.rollout.tasks import GROUPINGS, SEAT_MODES
-from mage_jax.tokenizer import WORD_PATTERN
 
 __all__ = [
     "CONFIG_FILE",
@@ -84,9 +82,6 @@ SeatMode = Literal[SEAT_MODES]
 Grouping = Literal[GROUPINGS]
 ActivationDtype = Literal[tuple(d for d in DTYPES if d != "float16")]
 TokenizerKind = Literal["hf", "word_level"]
-MemoryMode = Literal[MEMORY_MODES]
-PromptStyle = Literal[STYLES]
-RolloutScheduling = Literal["continuous", "lockstep"]
 RewardDesign = Literal[REWARD_DESIGNS]
 AnchorMode = Literal[ANCHOR_MODES]
 NormMode = Literal[NORM_MODES]
@@ -190,71 +185,6 @@ class SamplingConfig:
 
     train: SamplingSection = SamplingSection()
     eval: SamplingSection = SamplingSection(temperature=0.7, top_p=0.8, top_k=20)
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """Meta-episode shape (docs/method.md §2) and prompt options (§3)."""
-
-    num_tasks: int = 16
-    """B: task instances per iteration."""
-    group_size: int = 8
-    """G: meta-episodes per task instance (one group)."""
-    batch_size: int | None = None
-    """Meta-episodes per iteration; optional, must equal num_tasks * group_size when given."""
-    num_episodes: int = 3
-    """N."""
-    memory_mode: MemoryMode = "reflection_only"
-    """``none``: every episode's prompt carries no memory (a no-memory control; needs ``reflect=false``)."""
-    reflect: bool = True
-    """Run the reflect phase between episodes (off: memory comes from trajectories only)."""
-    reflection_words: tuple[str, ...] = ()
-    """Constrained reflections (word-level tokenizer): each reflection is ``<remark>`` + 1 to
-    ``reflection_max_words`` of these words + ``</remark>``, decoded under a token automaton and replayed
-    in the log-prob recompute like constrained actions. Empty: free reflections."""
-    reflection_max_words: int = 3
-    prompt_style: PromptStyle = "full"
-    constrained_actions: bool = False
-    """Constrain play responses to the legal ``<action>...</action>`` strings (and the log-prob recompute)."""
-    max_prompt_tokens: int = 4096
-    max_response_tokens: int = 8192
-    """Play-row generation limit."""
-    max_reflection_tokens: int | None = None
-    """Reflect-row generation limit; None: same as max_response_tokens."""
-    max_turns: int | None = None
-    """Per-episode turn limit; None: the environment's own."""
-    max_decode_rows: int = 0
-    """Most rows the sampler decodes at once (a larger rollout or evaluation is decoded in chunks of this
-    many rows, each with its own KV cache); 0: the whole batch at once. Bounds the KV cache per device."""
-    length_buckets: tuple[int, ...] = ()
-    """Token-length buckets of prompts (sampler) and of prompt + response rows (training); each bucket
-    compiles once. Empty: 64, 96, 128, 192, ... up to the limits."""
-    privileged_reflection: bool = True
-    """Training reflect prompts show the privileged text (Kuhn's both-cards quirk, docs/method.md §7.1)."""
-    engine: RolloutScheduling = "continuous"
-    """How the LLM calls of a rollout (training, evaluation, zero-shot baselines) are scheduled:
-    ``continuous`` (the rollout engine: decode slots, a meta-episode's next prompt starts as soon as its
-    response is back, identical prompts prefilled once) or ``lockstep`` (one batched call per turn)."""
-    engine_slots: int = 0
-    """Concurrent decode slots of the engine; 0: the largest rollout capped at ``max_decode_rows``, at
-    most 64; always rounded up to the mesh's batch ways."""
-    engine_chunk: int = 8
-    """Decode steps between the engine's host checks (a finished row waits at most this many steps)."""
-    engine_windows: int = 1
-    """Decode window sizes of the engine: 1 attends over the whole KV cache every step; k > 1 adds its
-    half, quarter, ... (k sizes), so a chunk whose slots all hold short prompts reads only the prefix
-    they need: faster decoding at long contexts for k - 1 more decode programs per slot bucket."""
-
-    @property
-    def reflection_tokens(self) -> int:
-        """The reflect-row generation limit in force: ``max_reflection_tokens``, else the play limit."""
-        return self.max_reflection_tokens or self.max_response_tokens
-
-    @property
-    def max_new_tokens(self) -> int:
-        """The longest response of any row (play or reflection): the sampler's and the engine's generation
-        bound, and the response part of the longest training row."""
-        return max(self.max_response_tokens, self.reflection_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -522,34 +452,10 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
         check(0 < s.top_p <= 1, f"sampling.{split}.top_p must be in (0, 1] (got {s.top_p})")
         check(s.top_k >= 0, f"sampling.{split}.top_k must be >= 0 (got {s.top_k})")
     # rollout
-    check(r.num_tasks >= 1, f"rollout.num_tasks must be >= 1 (got {r.num_tasks})")
-    check(r.group_size >= 1, f"rollout.group_size must be >= 1 (got {r.group_size})")
-    if r.batch_size is not None:
-        check(r.batch_size >= 1, f"rollout.batch_size must be >= 1 (got {r.batch_size})")
-        check(r.batch_size % r.group_size == 0,
-               f"rollout.group_size {r.group_size} does not divide rollout.batch_size {r.batch_size}")
-        check(r.batch_size == r.num_tasks * r.group_size,
-               f"rollout.batch_size {r.batch_size} != rollout.num_tasks * rollout.group_size "
-               f"({r.num_tasks} * {r.group_size} = {r.num_tasks * r.group_size})")
-    check(r.num_episodes >= 1, f"rollout.num_episodes must be >= 1 (got {r.num_episodes})")
-    check(not (r.memory_mode not in ("history_only", "none") and not r.reflect and r.num_episodes > 1),
-           f"rollout.memory_mode={r.memory_mode} needs reflections; set rollout.reflect=true or "
-           "rollout.memory_mode=history_only")
-    check(not (r.memory_mode == "none" and r.reflect and r.num_episodes > 1),
-           "rollout.memory_mode=none shows no reflections; set rollout.reflect=false")
-    _check_reflection_words(cfg)
-    check(r.max_prompt_tokens >= 1, f"rollout.max_prompt_tokens must be >= 1 (got {r.max_prompt_tokens})")
-    check(r.max_response_tokens >= 1,
-           f"rollout.max_response_tokens must be >= 1 (got {r.max_response_tokens})")
-    check(r.max_decode_rows >= 0, f"rollout.max_decode_rows must be >= 0 (got {r.max_decode_rows})")
-    if r.max_reflection_tokens is not None:
-        check(r.max_reflection_tokens >= 1, "rollout.max_reflection_tokens must be >= 1")
-    if r.max_turns is not None:
-        check(r.max_turns >= 1, f"rollout.max_turns must be >= 1 (got {r.max_turns})")
-    check(all(b >= 1 for b in r.length_buckets), "rollout.length_buckets must be positive")
-    check(r.engine_slots >= 0, f"rollout.engine_slots must be >= 0 (got {r.engine_slots})")
-    check(r.engine_chunk >= 1, f"rollout.engine_chunk must be >= 1 (got {r.engine_chunk})")
-    check(r.engine_windows >= 1, f"rollout.engine_windows must be >= 1 (got {r.engine_windows})")
+    check_rollout(r)
+    if r.reflection_words:
+        check(cfg.tokenizer.kind == "word_level",
+              "rollout.reflection_words needs tokenizer.kind=word_level (each word must be one token)")
     # algorithm
     one_of("algorithm.estimator", a.estimator, advantages.available_advantages())
     check(0 <= a.gamma_step <= 1, f"algorithm.gamma_step must be in [0, 1] (got {a.gamma_step})")
@@ -601,28 +507,6 @@ def validate(cfg: ExperimentConfig, *, check_paths: bool = True) -> ExperimentCo
     return cfg
 
 
-def _check_reflection_words(cfg: ExperimentConfig) -> None:
-    """Constrained reflections: a list of distinct single word-level tokens, room for the longest one."""
-    r = cfg.rollout
-    check(r.reflection_max_words >= 1,
-           f"rollout.reflection_max_words must be >= 1 (got {r.reflection_max_words})")
-    if not r.reflection_words:
-        return
-    check(r.reflect, "rollout.reflection_words constrain reflections; set rollout.reflect=true")
-    check(cfg.tokenizer.kind == "word_level",
-           "rollout.reflection_words needs tokenizer.kind=word_level (each word must be one token)")
-    bad = [w for w in r.reflection_words
-           if not re.fullmatch(r"\w+", w) or re.findall(WORD_PATTERN, w) != [w]]
-    check(not bad, f"rollout.reflection_words must be single words of letters or digits, one token each "
-                    f"(got {', '.join(map(repr, bad))})")
-    check(len(set(r.reflection_words)) == len(r.reflection_words),
-           f"rollout.reflection_words must be distinct (got {', '.join(r.reflection_words)})")
-    limit = r.reflection_tokens
-    check(limit >= r.reflection_max_words + 3,
-           f"rollout.max_reflection_tokens {limit} is too short for <remark>, {r.reflection_max_words} "
-           f"words, </remark> and the end token; set it to >= {r.reflection_max_words + 3}")
-
-
 # --------------------------------------------------------------------------------------------------
 # resume
 
@@ -648,6 +532,28 @@ def resume_changes(saved: dict[str, Any], cfg: ExperimentConfig) -> list[tuple[s
             for key in [*after, *(k for k in before if k not in after)]
             if key != "logging.run_dir" and before.get(key) != after.get(key)
             and not key.startswith(RESUMABLE_KEYS)]
+
+
+def check_resumed(meta: dict[str, Any], cfg: ExperimentConfig, run_dir: str) -> None:
+    """A resumed run goes on as the run its checkpoint (``meta``: the checkpoint's metadata) was trained
+    as: a ``config.json`` edited since (outside ``RESUMABLE_KEYS``) would silently continue as another
+    run, so it is one ConfigError before anything is rewritten."""
+    if not meta.get("config"):
+        return
+    try:
+        changed = resume_changes(meta["config"], cfg)
+    except (ConfigError, TypeError, ValueError):  # a meta of another version: nothing to compare
+        return
+    if not changed:
+        return
+    key, before, after = changed[0]
+    more = f" (and {len(changed) - 1} more keys)" if len(changed) > 1 else ""
+    raise ConfigError(
+        f"{run_dir}/{CONFIG_FILE} says {key}={after!r}, but its checkpoint of iteration "
+        f"{meta.get('iteration')} was trained with {before!r}{more}: the config was edited after the run "
+        f"started; put {key} back to resume (a resumed run may change only "
+        f"{', '.join(k.rstrip('.') for k in RESUMABLE_KEYS)}), or start a new run with another "
+        "--run-dir")
 
 
 def _entries(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -15,8 +15,10 @@ run (a single-process reference beside the multi-process run it is compared with
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,10 +29,18 @@ from collections.abc import Sequence
 from tests.xla_env import with_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ProcessesFailed(AssertionError):
     """A process exited non-zero or the group ran past its timeout; the message holds each one's output."""
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs: the kernel kills it when the process that started it dies (a pytest
+    worker killed by its timeout), so no process waits forever for a peer that is gone."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def free_port() -> int:
@@ -86,21 +96,23 @@ def run_groups(groups: Sequence[Group], timeout: float = 600, *, check: bool = T
                 out = open(os.path.join(tmp, f"{g}.{i}.out"), "w+")  # noqa: SIM115 (closed below)
                 err = open(os.path.join(tmp, f"{g}.{i}.err"), "w+")  # noqa: SIM115
                 procs.append((g, subprocess.Popen([sys.executable, script, *group.args], env=env, cwd=ROOT,
-                                                  stdout=out, stderr=err), out, err))
+                                                  stdout=out, stderr=err, preexec_fn=_die_with_parent),
+                               out, err))
         deadline = time.monotonic() + timeout
         timed_out = False
-        while True:
-            codes = [p.poll() for _, p, _, _ in procs]  # every process polled: a failure anywhere shows now
-            if None not in codes:
-                break
-            failed = any(code not in (None, 0) for code in codes)
-            timed_out = time.monotonic() > deadline
-            if failed or timed_out:
-                for _, p, _, _ in procs:
-                    if p.poll() is None:
-                        p.kill()
-                break
-            time.sleep(0.2)
+        try:
+            while True:
+                codes = [p.poll() for _, p, _, _ in procs]  # all polled: a failure anywhere shows now
+                if None not in codes or any(code not in (None, 0) for code in codes):
+                    break
+                timed_out = time.monotonic() > deadline
+                if timed_out:
+                    break
+                time.sleep(0.2)
+        finally:  # a failure, the timeout, or the test interrupted (Ctrl-C): no process outlives the call
+            for _, p, _, _ in procs:
+                if p.poll() is None:
+                    p.kill()
         results: list[list[subprocess.CompletedProcess]] = [[] for _ in groups]
         for g, p, out, err in procs:
             p.wait()

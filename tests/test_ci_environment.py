@@ -24,9 +24,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from mage_jax.testing import build_bpe_tokenizer
 from mage_jax.tokenizer import Tokenizer
 from tests.optional import EXTRAS, REQUIRE_VAR
-from tests.tiny_models import build_bpe_tokenizer
 
 TESTS = Path(__file__).resolve().parent
 PYPROJECT = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())

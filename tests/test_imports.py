@@ -1,7 +1,9 @@
 """The import graph of the project: no cycles, and the orchestration layer imports at module top.
 
 Read from the source (no module is executed): an edge ``a -> b`` is a module-level import of ``b``
-by ``a`` (``from x.y import z`` is an import of ``x.y.z`` when that is a module, else of ``x.y``).
+by ``a`` (``from x.y import z`` is an import of ``x.y.z`` when that is a module, else of ``x.y``), and
+an import of ``x.y.z`` is one of the packages ``x`` and ``x.y`` too: Python runs their ``__init__``
+first, so a package whose ``__init__`` imports its own modules is in a cycle with each of them.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def _imports(tree: ast.AST, modules: dict[str, Path], *, top_level: bool) -> lis
             found += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found += [f"{node.module}.{a.name}" for a in node.names]
-    return [m for m in (_resolve(n, modules) for n in found if n.split(".")[0] in PACKAGES) if m]
+    resolved = [m for m in (_resolve(n, modules) for n in found if n.split(".")[0] in PACKAGES) if m]
+    return [".".join(m.split(".")[:i]) for m in resolved for i in range(1, m.count(".") + 2)]
 
 
 def test_the_project_has_no_import_cycle():
@@ -93,3 +96,15 @@ def test_the_orchestration_layer_imports_project_modules_at_module_top():
             if inside:
                 late[rel] = inside
     assert late == {}
+
+
+def test_nothing_outside_the_tests_imports_from_them():
+    """Support code the tests share with benchmarks and notebooks lives in ``mage_jax.testing``."""
+    found = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "tests"]
+    assert found == []

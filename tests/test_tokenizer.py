@@ -8,14 +8,13 @@ import shutil
 
 import pytest
 
-from mage_jax.envs.alfworld import write_tiny_alfred_game
 from mage_jax.envs.parsing import extract_action
-from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner
 from mage_jax.rollout.policy import RandomLegalPolicy
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+from mage_jax.testing import build_bpe_tokenizer, runner_config, write_tiny_alfworld_data
 from mage_jax.tokenizer import PromptEncoder, Tokenizer, TokenizerError, join_word_pieces
 from tests.optional import require
-from tests.tiny_models import build_bpe_tokenizer
 
 CORPUS = [
     "You are playing Kuhn Poker. Your card is K. Legal actions: PASS, BET.",
@@ -260,16 +259,14 @@ def environment_prompts(name, tmp_path):
     if name == "alfworld":
         require("alfworld")
         require("textworld")
-        for trial in ("trial_T1", "trial_T2"):
-            write_tiny_alfred_game(tmp_path / "json_2.1.1" / "valid_unseen" /
-                                   "pick_and_place_simple-Apple-None-Fridge-1" / trial)
-        options = {"split": "valid_unseen", "data_dir": str(tmp_path)}
+        options = {"split": "valid_unseen",
+                   "data_dir": write_tiny_alfworld_data(tmp_path, splits=("valid_unseen",), trials=2)}
     if name in ("kuhn_poker", "tic_tac_toe"):
         opponents = {"random": 1} if name == "tic_tac_toe" else {"conservative": 1, "aggressive": 1}
     tasks = TaskSampler(TaskSamplerConfig(num_tasks=2, group_size=2, opponents=opponents,
                                           seats="mixed" if opponents else "first")).sample_train(0)
-    config = RunnerConfig(num_episodes=3, constrained_actions=True, memory_mode="history_only", reflect=False,
-                          keep_text=True)
+    config = runner_config(num_episodes=3, constrained_actions=True, memory_mode="history_only",
+                           reflect=False, keep_text=True)
     rows = MetaEpisodeRunner(name, options, config).run(tasks, RandomLegalPolicy(0), training=False).rows
     return [r.prompt_text for r in rows]
 

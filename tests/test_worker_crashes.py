@@ -6,6 +6,8 @@ fails. Each case is a small pytest run on two workers, scheduled as the suite is
 
 from __future__ import annotations
 
+import importlib.metadata
+import inspect
 import os
 import re
 import signal
@@ -15,6 +17,11 @@ import textwrap
 import time
 import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from xdist.scheduler.loadscope import LoadScopeScheduling
+
+from tests.worker_crashes import XDIST_INTERNALS
 
 ROOT = Path(__file__).resolve().parents[1]
 INI = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
@@ -152,6 +159,24 @@ def test_a_run_that_cannot_replace_a_dead_worker_fails_and_names_the_tests_it_ne
 
 def test_the_suite_guards_against_hangs_with_a_timeout_that_ends_the_worker():
     assert INI["faulthandler_exit_on_timeout"] is True and 600 <= INI["faulthandler_timeout"] <= 1200
+
+
+def test_the_test_extra_bounds_pytest_xdist_to_the_minor_release_the_scheduler_was_written_against():
+    """The crash scheduler overrides xdist internals (``XDIST_INTERNALS``) that a new minor release may
+    rename: the extra admits one minor release, the installed one lies inside it, and every internal the
+    scheduler touches is still there."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (spec,) = [Requirement(r).specifier for r in extras["test"] if Requirement(r).name == "pytest-xdist"]
+    lower = [s.version for s in spec if s.operator == ">="]
+    upper = [s.version for s in spec if s.operator == "<"]
+    assert lower and upper, f"pytest-xdist{spec} must have a lower and an upper bound"
+    major, minor = (int(x) for x in lower[0].split(".")[:2])
+    assert f"{major}.{minor + 1}" not in spec, f"pytest-xdist{spec} admits more than one minor release"
+    assert importlib.metadata.version("pytest-xdist") in spec
+    source = inspect.getsource(LoadScopeScheduling)
+    missing = [n for n in XDIST_INTERNALS
+               if not (hasattr(LoadScopeScheduling, n) or re.search(rf"self\.{n}\b", source))]
+    assert not missing, f"pytest-xdist no longer has {missing}: update tests/worker_crashes.py and the bound"
 
 
 def test_a_run_stopped_by_ctrl_c_says_it_was_interrupted_and_blames_no_worker(tmp_path):

@@ -43,6 +43,12 @@ NOT_RUN = pytest.StashKey[int]()  # how many tests an interrupted run (Ctrl-C) l
 CRASH_RERUNS = 1
 """How many times a test its worker died in is run again before its crash counts as a failure."""
 
+XDIST_INTERNALS = ("assigned_work", "workqueue", "registered_collections", "nodes", "_assign_work_unit",
+                   "_reschedule", "_pending_of", "remove_node", "mark_test_complete")
+"""What ``CrashTolerantFileScheduling`` reads or overrides of xdist's scheduler besides its documented
+hooks: internals of pytest-xdist 3.8, which ``pyproject.toml`` bounds the test extra to (a test checks the
+bound, the installed version and these names)."""
+
 RERUN = "rerun"
 """The outcome of a crash report whose test runs again (pytest's summary counts it as "N rerun")."""
 

@@ -165,11 +165,12 @@ def _our_greedy(graphdef: Any, config: Any, state: Any, tokens: np.ndarray, mask
     """Greedy continuations by our sampler (prefill + cached decode)."""
 
     from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.spec import ModelSpec
     from mage_jax.generate.step import SamplingParams
 
     prompts = [row[m].tolist() for row, m in zip(tokens, mask, strict=True)]
-    sampler = Sampler(graphdef, config, eos_ids=[vocab - 1], pad_id=0, prompt_buckets=(tokens.shape[1],),
-                      batch_buckets=(len(prompts),))
+    spec = ModelSpec(graphdef, config, eos_ids=(vocab - 1,), pad_id=0, prompt_buckets=(tokens.shape[1],))
+    sampler = Sampler(spec, batch_buckets=(len(prompts),))
     result = sampler.generate(state, prompts, SamplingParams(temperature=0.0, max_new_tokens=steps),
                               jax.random.key(0))
     return [[int(t) for t in row] for row in result.tokens]
@@ -254,59 +255,21 @@ def attention_check(given: StageInput, impl: str, case: str, dtype: str) -> dict
 
 def engine_check(given: StageInput) -> dict[str, Any]:
     """A greedy Kuhn Poker rollout (tiny random model, word-level tokenizer) through the rollout engine
-    and through lockstep generation: every row's prompt and response tokens must be equal."""
-
+    and through lockstep generation (``mage_jax.testing``'s engine-parity harness, as the test suite runs
+    it on every environment): every row, outcome and rollout count must be equal, log-probs within 1e-2
+    (the device's default float32 matmul precision)."""
     from experiments.environments import environment as experiment_environment
-    from mage_jax.generate.step import SamplingParams
-    from mage_jax.models.sharding import param_shardings
-    from mage_jax.rollout.policy import LLMPolicy
-    from mage_jax.tokenizer import Tokenizer
-    from mage_jax.training.assemble import (
-        build_model,
-        make_engine,
-        make_mesh,
-        make_runner,
-        make_sampler,
-        make_task_sampler,
-        tokenizer_corpus,
-    )
+    from mage_jax.testing import PARITY_OVERRIDES, greedy_rollouts, parity_model, rollout_differences
 
-    overrides = {
-        "rollout.num_tasks": 2, "rollout.group_size": 2, "rollout.num_episodes": 2, "rollout.max_turns": 3,
-        "rollout.max_response_tokens": 12, "rollout.max_reflection_tokens": 6, "rollout.reflect": True,
-        "rollout.memory_mode": "history_and_reflection", "tokenizer.corpus_meta_episodes": 4,
-        "model.overrides": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
-                            "num_kv_heads": 1, "head_dim": 16},
-        "rollout.engine_slots": 3, "rollout.engine_chunk": 2,
-    }
-    cfg = experiment_environment("kuhn_poker").config("tiny", overrides)
-    tasks_of = make_task_sampler(cfg)
-    tokenizer = Tokenizer.word_level(tokenizer_corpus(cfg, tasks_of))
-    mesh = make_mesh(cfg)
-    model_config, graphdef, params = build_model(cfg, tokenizer, mesh)
-    sampler = make_sampler(cfg, mesh, model_config, graphdef, param_shardings(params, mesh),
-                           eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
-    engine = make_engine(cfg, sampler, mesh)
-    if engine is None:
-        raise RuntimeError("the kuhn_poker tiny config runs without the rollout engine")
-    r = cfg.rollout
-    longest = max(r.max_response_tokens, r.max_reflection_tokens)
-    params_s = SamplingParams(temperature=0.0, max_new_tokens=longest)
-    runner = make_runner(cfg, num_episodes=r.num_episodes)
-    tasks = tasks_of.sample_train(0)
-    results = {}
-    for name, eng in (("lockstep", None), ("engine", engine)):
-        policy = LLMPolicy(tokenizer, sampler, params, params_s, jax.random.key(0),
-                           max_prompt_tokens=r.max_prompt_tokens, engine=eng)
-        results[name] = runner.run(tasks, policy, training=True)
-    a, b = results["lockstep"].rows, results["engine"].rows
-    differing = abs(len(a) - len(b)) + sum(
-        not (np.array_equal(x.prompt_ids, y.prompt_ids) and np.array_equal(x.response_ids, y.response_ids))
-        for x, y in zip(a, b))
-    compared = sum(len(x.response_ids) for x in a) if len(a) == len(b) else 0
-    outcomes_equal = ([o.to_dict() for o in results["lockstep"].outcomes]
-                      == [o.to_dict() for o in results["engine"].outcomes])
-    return comparison("engine_greedy_equals_lockstep/kuhn_poker", compared,
-                  float(differing + (not outcomes_equal)), 0.0, rows=len(a), rows_differing=differing,
-                  outcomes_equal=outcomes_equal, slots=engine.num_slots,
-                  what="response tokens of every row (prompts and outcomes also equal)")
+    cfg = experiment_environment("kuhn_poker").config("tiny", PARITY_OVERRIDES)
+    model = parity_model({"kuhn_poker": cfg})
+    lockstep, engine = greedy_rollouts(model, "kuhn_poker")
+    differences = rollout_differences(lockstep, engine, logprob_atol=1e-2)
+    rows_differing = len({d.split(":")[0] for d in differences if d.startswith("row ")})
+    same_rows = len(lockstep.rows) == len(engine.rows)
+    compared = sum(len(r.response_ids) for r in lockstep.rows) if same_rows else 0
+    return comparison("engine_greedy_equals_lockstep/kuhn_poker", compared, float(len(differences)), 0.0,
+                      rows=len(lockstep.rows), rows_differing=rows_differing,
+                      outcomes_equal="outcomes" not in differences, slots=model.engine.num_slots,
+                      differences=differences[:10],
+                      what="every field of every row, the outcomes and the rollout counts")

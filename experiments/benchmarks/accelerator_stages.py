@@ -26,13 +26,12 @@ import numpy as np
 from experiments.benchmarks import decode_layout, generation, rollout, train_step
 from experiments.benchmarks.common import build_hf_checkpoint, spread
 from mage_jax.evaluation.metrics import episode_key
+from mage_jax.models.config import ModelConfig
 
-QWEN3_0_6B = dict(
-    # Qwen3-0.6B's shape (random weights): what the `small` presets train.
-    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-    tie_word_embeddings=True,
-)
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings")
+QWEN3_0_6B = {k: v for k, v in ModelConfig.preset("qwen3-0.6b").to_hf_config().items() if k in SHAPE_KEYS}
+"""Qwen3-0.6B's shape (the ``qwen3-0.6b`` preset, random weights): what the `small` presets train."""
 TOY = dict(
     # The --tiny stand-in: a few layers, a small vocabulary.
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -283,10 +282,10 @@ def decode(given: StageInput) -> dict[str, Any]:
     import torch
     import transformers
 
-    from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
-    from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.engine import EngineRequest, generate_all
+    from mage_jax.generate.slots import compiled_engine
+    from mage_jax.generate.spec import ModelSpec
     from mage_jax.generate.step import SamplingParams
-    from mage_jax.models.config import ModelConfig
     from mage_jax.models.hf_loading import load_hf_params
 
     sizes = given.sizes
@@ -297,9 +296,8 @@ def decode(given: StageInput) -> dict[str, Any]:
     prompts = np.random.default_rng(0).integers(2, eos, size=(rows, prompt_len)).tolist()
     config = ModelConfig.from_hf_dir(folder, dtype="bfloat16", param_dtype="bfloat16")
     config, graphdef, state = load_hf_params(folder, config)
-    sampler = Sampler(graphdef, config, eos_ids=[eos], pad_id=0, prompt_buckets=(prompt_len,),
-                      batch_buckets=(rows,))
-    engine = RolloutEngine(sampler, slots=rows, max_new_tokens=new, chunk=sizes.decode_chunk)
+    spec = ModelSpec(graphdef, config, eos_ids=(eos,), pad_id=0, prompt_buckets=(prompt_len,))
+    engine = compiled_engine(spec, slots=rows, max_new_tokens=new, chunk=sizes.decode_chunk)
     automaton = rollout.no_eos_automaton(config.vocab_size, eos)
     params = SamplingParams(temperature=1.0, max_new_tokens=new)
     stats = {}

@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mage_jax.envs import TextEnv
+from mage_jax.envs.base import TextEnv
 from mage_jax.envs.prompts import Move
+from mage_jax.testing import random_causal_lm
 
 
 def batch_parser(
@@ -170,15 +171,9 @@ def write_model_report(name: str, fields: dict[str, Any], out: str | Path, *, lo
 
 
 def build_hf_checkpoint(folder: str, shape: dict[str, Any], seed: int) -> Any:
-    """A random Qwen3 model saved to ``folder`` as safetensors (our loader reads it back, so both sides
-    run identical weights); returns the torch model."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**shape))
-    model.save_pretrained(folder, safe_serialization=True)
-    return model
+    """A random Qwen3 model of ``shape`` saved to ``folder`` as safetensors (our loader reads it back, so
+    both sides run identical weights); returns the torch model."""
+    return random_causal_lm({"model_type": "qwen3", **shape}, folder, seed=seed)
 
 
 CHECK_SHAPES = {
@@ -198,20 +193,8 @@ def build_random_hf_model(architecture: str, folder: str, *, seed: int = 0, weig
     """A random ``transformers`` causal LM of ``CHECK_SHAPES[architecture]`` with matrices drawn from
     N(0, weight_std²) and norm weights from U(0.5, 1.5), saved to ``folder`` as safetensors; returns the
     torch model (float32, eval mode, on the CPU)."""
-    import torch
-    import transformers
-
-    configs = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(configs[architecture](**CHECK_SHAPES[architecture]))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, weight_std)
-            else:  # RMSNorm weights (neither architecture has biases here)
-                p.uniform_(0.5, 1.5)
-    model.eval().save_pretrained(folder, safe_serialization=True)
-    return model
+    return random_causal_lm({"model_type": architecture, **CHECK_SHAPES[architecture]}, folder, seed=seed,
+                            weight_std=weight_std, norm_range=(0.5, 1.5))
 
 
 @contextlib.contextmanager

@@ -60,7 +60,8 @@ def measure(env: str, preset: str, depth: int, scan: bool, overrides: dict[str, 
     nnx.eval_shape(lambda: Transformer(setup.model_config, rngs=nnx.Rngs(0)))
     build_s = time.perf_counter() - started
     started = time.perf_counter()
-    lowered = aot.lower_rollout(setup.sampler, setup.engine, setup.params, plan.rollout_sampling(setup))
+    programs = None if setup.engine is None else setup.engine.programs
+    lowered = aot.lower_rollout(setup.sampler, programs, setup.params, plan.rollout_sampling(setup))
     lower_s = time.perf_counter() - started
     programs = {}
     for name, program in lowered.items():

@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from flax import nnx
 
     from experiments.benchmarks.rollout import no_eos_automaton
-    from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
+    from mage_jax.generate.engine import EngineRequest, generate_all
     from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.slots import compiled_engine
+    from mage_jax.generate.spec import ModelSpec
     from mage_jax.generate.step import SamplingParams
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.transformer import Transformer, stack_layers
@@ -94,9 +96,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cfg = dataclasses.replace(config, scan_layers=scan)
         gdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))) if scan else graphdef
         weights = stack_layers(state) if scan else state
-        sampler = Sampler(gdef, cfg, eos_ids=[eos], pad_id=0, prompt_buckets=(args.prompt_len,),
-                          batch_buckets=(args.batch,))
-        engine = RolloutEngine(sampler, slots=args.batch, max_new_tokens=args.new_tokens)
+        spec = ModelSpec(gdef, cfg, eos_ids=(eos,), pad_id=0, prompt_buckets=(args.prompt_len,))
+        sampler = Sampler(spec, batch_buckets=(args.batch,))
+        engine = compiled_engine(spec, slots=args.batch, max_new_tokens=args.new_tokens)
 
         def run(new_tokens: int) -> tuple[float, list[list[int]]]:
             params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)

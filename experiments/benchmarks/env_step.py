@@ -25,7 +25,7 @@ from experiments.benchmarks.common import (
     step_all,
     write_batch_report,
 )
-from mage_jax.envs import TextEnv, make_env, registered_envs
+from mage_jax.envs.base import TextEnv, make_env, registered_envs
 from mage_jax.envs.prompts import (
     MEMORY_MODES,
     STYLES,

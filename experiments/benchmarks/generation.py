@@ -44,14 +44,15 @@ def build_ours(folder: str, prompts: list[list[int]], dtype: str, eos: int, seed
     import jax
 
     from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.spec import ModelSpec
     from mage_jax.generate.step import SamplingParams
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.hf_loading import load_hf_params
 
     config = dataclasses.replace(ModelConfig.from_hf_dir(folder), param_dtype=dtype, dtype=dtype)
     config, graphdef, state = load_hf_params(folder, config)
-    sampler = Sampler(graphdef, config, eos_ids=[eos], pad_id=0, prompt_buckets=(len(prompts[0]),),
-                      batch_buckets=(len(prompts),))
+    spec = ModelSpec(graphdef, config, eos_ids=(eos,), pad_id=0, prompt_buckets=(len(prompts[0]),))
+    sampler = Sampler(spec, batch_buckets=(len(prompts),))
     keys = [jax.random.key(seed)]
 
     def run(new_tokens: int) -> int:

@@ -166,8 +166,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import jax
     from flax import nnx
 
-    from mage_jax.generate.engine import RolloutEngine
     from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.slots import compiled_engine
+    from mage_jax.generate.spec import ModelSpec
     from mage_jax.generate.step import SamplingParams
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.transformer import Transformer
@@ -182,10 +183,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = ModelConfig.preset(args.model, param_dtype=args.dtype, dtype=args.dtype)
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(args.seed)))
     eos, pad = 1, 0
-    sampler = Sampler(graphdef, config, eos_ids=[eos], pad_id=pad, prompt_buckets=(64, 128),
-                      batch_buckets=(args.rows,))
-    engine = RolloutEngine(sampler, slots=args.slots, max_new_tokens=args.cap, chunk=args.chunk,
-                           slot_levels=args.slot_levels, window_levels=args.windows)
+    spec = ModelSpec(graphdef, config, eos_ids=(eos,), pad_id=pad, prompt_buckets=(64, 128))
+    sampler = Sampler(spec, batch_buckets=(args.rows,))
+    engine = compiled_engine(spec, slots=args.slots, max_new_tokens=args.cap, chunk=args.chunk,
+                             slot_levels=args.slot_levels, window_levels=args.windows)
     work = Workload(args, config.vocab_size)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.cap)
     automaton = no_eos_automaton(config.vocab_size, eos)

@@ -2,7 +2,7 @@
 
     python -m experiments.benchmarks.single_agent_step [--out runs/benchmarks/single_agent_step.json]
         [--tasks 8] [--group 8] [--episodes 3] [--budget-s 20] [--only webshop,alfworld]
-        [--alfworld-data DIR]
+        [--alfworld-data DIR] [--workers 2]
 
 Plays ``tasks x group`` meta-episodes per environment in lockstep as the runner does (N episodes,
 restart between them, reflect prompts rendered for the lost ones). Each turn renders every play
@@ -12,9 +12,14 @@ query of three words of the instruction) wrapped in ``<action>`` tags, so parsin
 
 WebShop runs on the generated catalogue. ALFWorld runs on ``--alfworld-data`` when given (the real
 ALFWorld games), else on small ALFWorld-format PDDL games written to a temporary folder
-(``write_tiny_alfred_game``; needs the ``alfworld`` extra), else on a TextWorld game made with
-``textworld.GameMaker``; without those packages it is skipped. ``reset_ms`` includes starting one
+(``mage_jax.testing.write_tiny_alfworld_data``; needs the ``alfworld`` extra), else on a TextWorld game
+made with ``textworld.GameMaker``; without those packages it is skipped. ``reset_ms`` includes starting one
 game engine per environment. Prints JSON and writes it to ``--out``.
+
+With ``--workers N`` each environment's result also holds ``workers``: resetting and stepping the
+meta-episodes in lockstep (no model, ``agent_action``) through ``--workers`` worker processes against in
+process (``mage_jax.envs.workers``), as ``stepping_speedup`` (``rollout_host`` reports the same for its
+slow environments, and on WebShop ``search_step_ms``, the median search step).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from experiments.benchmarks.common import (
     batch_parser,
     mean,
@@ -35,11 +42,18 @@ from experiments.benchmarks.common import (
     step_all,
     write_batch_report,
 )
-from mage_jax.envs import TextEnv, make_env
+from mage_jax.envs import workers as env_workers
+from mage_jax.envs.base import TextEnv, make_env
 from mage_jax.envs.prompts import EpisodeRecord, Move, render_play_prompt, render_reflect_prompt
+from mage_jax.envs.webshop.catalogue import Catalogue
+from mage_jax.envs.webshop.env import SEARCH_TEMPLATE as WEBSHOP_SEARCH
+from mage_jax.envs.webshop.env import SEP as WEBSHOP_SEP
+from mage_jax.envs.webshop.generate import generate_catalogue
+from mage_jax.envs.workers import EnvPool, Reset, Restart, Step
+from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+from mage_jax.testing import write_tiny_alfworld_data
 
 REFLECTION = "I searched too broadly. Next time I will use the exact product type and check the options."
-TINY_TYPES = ("pick_and_place_simple", "pick_cool_then_place_in_recep")
 
 
 def _random_action(env: TextEnv, rng: random.Random) -> str:
@@ -129,19 +143,106 @@ def bench(name: str, make: Callable[[], TextEnv], *, tasks: int, group: int, epi
     }
 
 
+# ------------------------------------------------------------------ stepping in worker processes
+def agent_action(reply: Any, rng: random.Random) -> str:
+    """A random legal action, except on WebShop's search page, whose one legal action is the template
+    ``search[<your query>]``: there an agent types a query, so this searches for the goal's instruction
+    (the template's words match no product, and a search that finds nothing costs almost nothing)."""
+    legal = reply.legal_actions or ("none",)
+    if legal == (WEBSHOP_SEARCH,):
+        head, instruction = reply.observation.split(WEBSHOP_SEP)[1:3]
+        assert head == "Instruction:", reply.observation
+        return f"search[{instruction}]"
+    return rng.choice(legal)
+
+
+class GeneratedCatalogue(Catalogue):
+    """WebShop's generated catalogue at a chosen size; a worker process regenerates it from its seed and
+    size (the same products) instead of receiving every product by message."""
+
+    def __init__(self, seed: int, num_products: int):
+        made = generate_catalogue(seed, num_products=num_products)
+        super().__init__(made.name, made.products, made.goals, made.splits)
+        self.seed, self.num_products = seed, num_products
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return generate_catalogue, (self.seed, self.num_products)
+
+
+def stepping(name: str, options: dict[str, Any], tasks: list[Any], workers: int, turns: int = 3) -> float:
+    """Seconds to reset every task's environment and step it ``turns`` times (``agent_action``) in lockstep
+    through an ``EnvPool`` (no model); measured on a second pass, after the workers started and the
+    environments were built and used once."""
+    pool = EnvPool(name, options, workers)
+    rng = random.Random(0)
+
+    def run_all(ops: list[Any]) -> list[Any]:
+        replies: dict[int, Any] = {}
+        for slot, op in enumerate(ops):
+            reply = pool.submit(slot, op, f"meta-episode {slot}")
+            if reply is not None:
+                replies[slot] = reply
+        while len(replies) < len(ops):
+            replies.update(pool.replies(timeout=None))
+        return [replies[i] for i in range(len(ops))]
+
+    def resets() -> list[Any]:
+        return [Reset(t.seed, opponent=t.opponent, seat=t.seat, copy=t.copy, legal=True) for t in tasks]
+
+    def play() -> float:
+        started = time.perf_counter()
+        replies = run_all(resets())
+        for _ in range(turns):
+            replies = run_all([Step(f"<action>{agent_action(r, rng)}</action>", legal=True) for r in replies])
+        return time.perf_counter() - started
+
+    try:
+        play()  # start the workers, build the environments and whatever they load on first use (indexes)
+        return play()
+    finally:
+        pool.close()
+
+
+def search_step_ms(options: dict[str, Any], tasks: list[Any], count: int = 32) -> float:
+    """Median milliseconds of one WebShop search step (``agent_action``'s query), index built."""
+    env, rng, times = make_env("webshop", **options), random.Random(0), []
+    for task in tasks[:count]:
+        env.reset(task.seed)
+        action = agent_action(env_workers.apply_op(env, Restart(legal=True)), rng)
+        started = time.perf_counter()
+        env.step(f"<action>{action}</action>")
+        times.append(time.perf_counter() - started)
+    return round(float(np.median(times[1:] or times)) * 1e3, 3)
+
+
+def stepping_report(name: str, options: dict[str, Any], tasks: list[Any], *, workers: int, repeats: int = 1
+                    ) -> dict[str, Any]:
+    """Lockstep stepping in process and with ``workers`` worker processes, ``repeats`` times each
+    (interleaved; the speedup of the medians)."""
+    t0, tw = [], []
+    for _ in range(repeats):
+        t0.append(stepping(name, options, tasks, 0))
+        tw.append(stepping(name, options, tasks, workers))
+    out: dict[str, Any] = {
+        "stepping_s_in_process": round(float(np.median(t0)), 3),
+        f"stepping_s_{workers}_workers": round(float(np.median(tw)), 3),
+        "stepping_speedup": round(float(np.median(t0) / np.median(tw)), 3),
+        "stepping_runs_s": {"in_process": [round(t, 3) for t in t0], "workers": [round(t, 3) for t in tw]},
+    }
+    if name == "webshop":
+        out["search_step_ms"] = search_step_ms(options, tasks)
+    return out
+
+
+
 def _alfworld_source(data: str | None, workdir: Path, games: int) -> tuple[dict[str, Any], str]:
     """Options for ``make_env("alfworld", ...)`` and a description of the games."""
     if data is not None:
         return {"data_dir": data, "split": "train"}, f"ALFWorld data at {data} (train)"
     root = workdir / "alfworld"
     try:
-        from mage_jax.envs.alfworld import write_tiny_alfred_game
-
-        for k in range(games):
-            kind = TINY_TYPES[k % len(TINY_TYPES)]
-            trial = root / "json_2.1.1" / "train" / f"{kind}-Apple-None-X-{k}" / "trial_T1"
-            write_tiny_alfred_game(trial, kind)
-        return {"data_dir": str(root), "split": "train"}, f"{games} tiny ALFWorld-format PDDL games"
+        return ({"data_dir": write_tiny_alfworld_data(root, games=games), "split": "train"},
+                f"{games} tiny ALFWorld-format PDDL games")
     except ImportError:
         pass
     import textworld  # raises ImportError when absent: ALFWorld is skipped
@@ -168,6 +269,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           budget_help="measured seconds per environment")
     parser.add_argument("--only", default="webshop,alfworld", help="comma-separated: webshop, alfworld")
     parser.add_argument("--alfworld-data", default=None, help="real ALFWorld data folder (else local games)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="also time resetting and stepping in this many worker processes against in "
+                             "process (stepping_speedup; 0: not measured)")
     args = parse_batch_args(parser, argv)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     if not only <= {"webshop", "alfworld"}:
@@ -177,15 +281,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results, skipped, sources = [], [], {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        if "webshop" in only:
-            sources["webshop"] = "generated catalogue (100 products, 200 goals)"
-            results.append(bench("webshop", lambda: make_env("webshop"), **common))
-        if "alfworld" in only:
+        tasks = TaskSampler(TaskSamplerConfig(num_tasks=args.tasks, group_size=args.group)).sample_train(0)
+        for name in ("webshop", "alfworld"):
+            if name not in only:
+                continue
             try:
-                options, sources["alfworld"] = _alfworld_source(args.alfworld_data, Path(tmp), args.tasks)
-                results.append(bench("alfworld", lambda: make_env("alfworld", **options), **common))
+                if name == "webshop":
+                    options, sources[name] = {}, "generated catalogue (100 products, 200 goals)"
+                else:
+                    options, sources[name] = _alfworld_source(args.alfworld_data, Path(tmp), args.tasks)
+                results.append(bench(name, lambda: make_env(name, **options), **common))  # noqa: B023
             except ImportError as error:
-                skipped.append({"env": "alfworld", "reason": str(error)})
+                skipped.append({"env": name, "reason": str(error)})
+                continue
+            if args.workers > 0:
+                results[-1]["workers"] = stepping_report(name, options, tasks, workers=args.workers)
     prompt = {"style": "full", "memory_mode": "history_and_reflection", "admissible": True}
     return write_batch_report("single_agent_step", args, started=start, results=results, skipped=skipped,
                               prompt=prompt, sources=sources)

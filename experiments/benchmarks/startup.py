@@ -7,8 +7,8 @@ programs compiled, their seconds and the cache hits of each (the compile report 
     python -m experiments.benchmarks.startup --smoke         # the test suite's smoke sizes
     python -m experiments.benchmarks.startup --smoke --set train.iterations=2   # more main-job settings
 
-Arguments it does not know go to the main job. ``--smoke`` takes its sizes from the test suite
-(``tests/experiments/conftest.py``), so it runs from a clone's root.
+Arguments it does not know go to the main job. ``--smoke`` takes its sizes from ``mage_jax.testing.SMOKE``
+(the test suite's and the quickstart notebook's).
 """
 
 from __future__ import annotations
@@ -27,22 +27,13 @@ from experiments.benchmarks.common import load_average, load_span, machine, writ
 from mage_jax import compilation_cache
 from mage_jax.evaluation.report import SUMMARY_FILE
 from mage_jax.logging import read_jsonl
+from mage_jax.testing import smoke_args
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN_JOB = (sys.executable, "-m", "experiments.kuhn_poker")
 TARGETS = {"cold_wall_s": 180.0, "warm_wall_s": 120.0, "programs": 25}
 """Issue 28: the main job in at most 3 minutes cold and 2 warm on 2 quiet cores, compiling at most 25
 programs."""
-
-
-def smoke_args() -> list[str]:
-    """The ``--set`` arguments of the test suite's smoke run (one source for those sizes)."""
-    try:
-        from tests.experiments.conftest import _smoke_args
-    except ImportError as err:
-        raise SystemExit(f"error: --smoke needs the test suite's sizes (run from the clone's root): {err}"
-                         ) from None
-    return _smoke_args()
 
 
 def run_main_job(args: list[str], run_dir: Path, cache_dir: Path) -> dict[str, Any]:

@@ -71,6 +71,9 @@ class TextEnv(abc.ABC):
     slow_steps: ClassVar[bool] = False
     """Steps and resets cost tens of milliseconds or more (ALFWorld, WebShop): by default the runner steps
     these environments in worker processes (``env.workers``, ``mage_jax.envs.workers``)."""
+    show_admissible: ClassVar[bool] = False
+    """Play prompts list the legal actions (ALFWorld, WebShop: a long list, fitted to the prompt budget by
+    ``envs.admissible``); the games leave them to the rules in the preamble."""
     prompt_spec: PromptSpec
 
     @abc.abstractmethod
@@ -162,14 +165,14 @@ def register_env(name: str):
 
 def make_env(name: str, **options: Any) -> TextEnv:
     """Build a registered environment; unknown names get one clear error listing the known ones."""
-    import mage_jax.envs  # noqa: F401  (registers the built-in environments)
+    import mage_jax.envs.builtin  # noqa: F401  (registers the built-in environments)
 
     return env_class(name)(**options)
 
 
 def env_class(name: str) -> type[TextEnv]:
     """The registered class of environment ``name`` (its static views, without building one)."""
-    import mage_jax.envs  # noqa: F401
+    import mage_jax.envs.builtin  # noqa: F401
 
     if name not in _REGISTRY:
         raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(_REGISTRY))}")
@@ -177,6 +180,6 @@ def env_class(name: str) -> type[TextEnv]:
 
 
 def registered_envs() -> list[str]:
-    import mage_jax.envs  # noqa: F401
+    import mage_jax.envs.builtin  # noqa: F401
 
     return sorted(_REGISTRY)

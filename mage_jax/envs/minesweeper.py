@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any
 
 from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, TextEnv, register_env
 from mage_jax.envs.parsing import extract_cell
@@ -142,7 +142,6 @@ class MineSweeperEnv(TextEnv):
     """One meta-episode of MineSweeper on the board of one seed (single agent)."""
 
     max_turns: int = 7
-    show_admissible: ClassVar[bool] = False
 
     def __init__(self, size: int = 6, num_mines: int = 3, max_turns: int = 7) -> None:
         if int(size) < 2 or not 1 <= int(num_mines) < int(size) ** 2:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any
 
 from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, TextEnv, register_env
 
@@ -420,7 +420,6 @@ class SokobanEnv(TextEnv):
     """One meta-episode of Sokoban on the room of one seed (single agent: no opponent, no seat)."""
 
     max_turns: int = 7
-    show_admissible: ClassVar[bool] = False
 
     def __init__(self, num_boxes: int = 2, max_turns: int = 7, dead_end_depth: int = DEAD_END_DEPTH) -> None:
         if num_boxes not in (1, 2, 3):

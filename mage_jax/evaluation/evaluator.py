@@ -39,12 +39,20 @@ from mage_jax.evaluation.metrics import compute_metrics
 from mage_jax.evaluation.oracle import KuhnMetaEpisode, kuhn_oracle
 from mage_jax.evaluation.samples import Sample, sample_rows
 from mage_jax.progress import progress_bar
+from mage_jax.rollout.config import RolloutConfig
 from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutProgress, RolloutResult, RunnerConfig
 from mage_jax.rollout.policy import Policy, RandomLegalPolicy
 from mage_jax.rollout.rows import Row
 from mage_jax.rollout.tasks import Task, TaskSampler
 
 KUHN_POKER = "kuhn_poker"
+EXTRA_SPLITS_STREAM = 7919
+"""The evaluation key folded with this plus an extra split's index keys that split: extra splits draw apart
+from the built-in ones (and from each other), so adding a split never changes another's numbers."""
+SPLIT_STRIDE = 1000
+"""Built-in split s keys its chunk c with the evaluation key folded with ``SPLIT_STRIDE * s + c``."""
+VALIDATION_STREAM = 0x5A11D
+"""The evaluation key folded with this keys the validation split."""
 """The one environment with an exact oracle (``mage_jax.evaluation.oracle``)."""
 
 
@@ -146,9 +154,9 @@ def _reference_block(report: Any) -> dict[str, Any]:
 def random_reference(env_name: str, env_options: Mapping[str, Any], tasks: Sequence[Task], num_episodes: int,
                      *, seed: int = 0) -> dict[str, Any]:
     """success@k / draw@k / payoff@k of the random legal-action policy on exactly these meta-episodes."""
-    runner = MetaEpisodeRunner(env_name, env_options, RunnerConfig(
+    runner = MetaEpisodeRunner(env_name, env_options, RunnerConfig(RolloutConfig(
         num_episodes=num_episodes, memory_mode="history_only", reflect=False, prompt_style="compact",
-        constrained_actions=True))
+        constrained_actions=True)))
     metrics = compute_metrics(runner.run(list(tasks), RandomLegalPolicy(seed), training=False),
                               num_episodes=num_episodes)
 
@@ -226,9 +234,9 @@ class Evaluator:
             # Keys of the built-in splits and of the extra splits are separate streams, so adding a split
             # never changes the numbers of another.
             if name in extra:
-                split_key, offset = host_random.fold_in(key, 7919 + extra[name]), 0
+                split_key, offset = host_random.fold_in(key, EXTRA_SPLITS_STREAM + extra[name]), 0
             else:
-                split_key, offset = key, 1000 * s_index
+                split_key, offset = key, SPLIT_STRIDE * s_index
             out[name] = self._run_split(name, tasks, runner, params, split_key, offset, stop)
         return out
 
@@ -237,7 +245,7 @@ class Evaluator:
         stream (training pool and seats), played with the evaluation sampling; for checkpoint selection."""
         tasks = self._sampler().sample_validation(self.cfg.train.validation_meta_episodes)
         return self._run_split("validation", tasks, self.parts.eval_runner, params,
-                               host_random.fold_in(key, 0x5A11D), 0, None)
+                               host_random.fold_in(key, VALIDATION_STREAM), 0, None)
 
     def _run_split(self, name: str, tasks: list[Task], runner: Any, params: Any, split_key: jax.Array,
                    offset: int, stop: threading.Event | None) -> SplitResult:
@@ -308,7 +316,7 @@ def transcripts(parts: EvalParts, params: Any, *, count: int = 4, opponent: str 
     (notebooks, debugging)."""
     runner = parts.eval_runner
     base = getattr(runner, "base", runner)
-    config = dataclasses.replace(base.config, keep_text=True, num_episodes=runner.config.num_episodes)
+    config = dataclasses.replace(base.config, keep_text=True).with_episodes(runner.config.num_episodes)
     text_runner = MetaEpisodeRunner(base.env_name, base.env_options, config)
     tasks = parts.task_sampler.sample_eval(count, opponent=opponent, seat=seat)
     policy = parts.policy(params, host_random.key(seed), evaluation=True)

@@ -4,8 +4,10 @@
   the prefill, ``SamplingParams`` and the per-row sampling keys;
 * ``shapes``: buckets and padding that bound the number of compiled programs;
 * ``constraints``: token automata (legal actions, constrained reflections) shared with the train step;
+* ``spec``: the seams: ``ModelSpec`` (what every program needs of the model) and the ``SlotPrograms``
+  protocol (all the engine sees of its programs);
 * ``sampler``: the lockstep program (one batch from prefill to its longest row);
-* ``slots``: the engine's device programs (insert, decode, move) over a fixed set of decode slots;
-* ``engine``: the continuous-batching scheduler over those slots (the default rollout);
-* ``aot``: ahead-of-time lowering of the programs (memory plans).
+* ``slots``: the slot programs on the device (insert, decode, move over a fixed set of decode slots);
+* ``engine``: the continuous-batching scheduler over any slot programs (the default rollout);
+* ``mage_jax.aot``: ahead-of-time lowering of the programs (memory plans).
 """

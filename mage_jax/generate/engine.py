@@ -2,7 +2,9 @@
 
 A lockstep turn (``generate.sampler.Sampler.generate``) runs until its longest row finishes, and every row
 that finished earlier idles until then; every prompt is prefilled from scratch. The engine keeps a
-fixed set of ``slots`` (``generate.slots.SlotSampler``) busy for a whole rollout instead:
+fixed set of decode slots busy for a whole rollout instead, through its slot programs
+(``generate.spec.SlotPrograms``, its only view of them: ``generate.slots.CompiledSlotPrograms`` on the
+device, or a stand-in):
 
 * requests queue up (``submit``) and enter free slots in arrival order;
 * ``step`` fills every free slot (one insert program), runs one decode chunk of ``chunk`` steps, and
@@ -36,12 +38,10 @@ import numpy as np
 
 from mage_jax.generate.bank import ConstraintBank
 from mage_jax.generate.constraints import TokenAutomaton
-from mage_jax.generate.sampler import Sampler
-from mage_jax.generate.slots import DEFAULT_INSERT_ROWS, DEFAULT_SLOT_LEVELS, Donor, Slots, SlotSampler
+from mage_jax.generate.spec import Donor, ModelSpec, SlotPrograms, SlotState
 from mage_jax.generate.step import KEY_PATH_LEN, SamplingParams
 from mage_jax.models.sharding import to_host
 
-DEFAULT_CHUNK = 8
 AUTOMATA_CACHE_BYTES = 256 * 2**20  # AutomatonCache's bound: a few hundred states at Qwen's vocabulary
 
 
@@ -145,49 +145,35 @@ class EngineStats:
 
 
 class RolloutEngine:
-    """Built once per run; ``session`` per rollout. Its compiled programs are the process's
-    (``SlotSampler.shared``): another engine of the same model and shapes, in this run or the next one
-    of the process, reuses them.
+    """Built once per run; ``session`` per rollout. ``spec`` is the model's (``generate.spec.ModelSpec``:
+    parameter placement, vocabulary); ``programs`` the slot programs it schedules (``spec.SlotPrograms``:
+    ``slots.CompiledSlotPrograms.shared(spec, ...)``, whose compiled programs every engine of the process
+    with the same model and shapes reuses); ``overlap``: dispatch the next decode chunk before the
+    caller's host work (``EngineSession.step``). The engine keeps the run's constraint automata on the
+    device (``bank``) and, across rollouts, the policies' automata (``automata``)."""
 
-    ``sampler`` gives the model graph, special ids, prompt buckets and mesh; ``slots`` is the number of
-    concurrent rows (a multiple of the mesh's data x fsdp ways); ``max_new_tokens`` the longest response;
-    ``insert_rows`` the requests one insert program starts per device block (more are split);
-    ``window_levels``: the cache prefixes a decode chunk may attend over, the whole cache, its half, its
-    quarter, ... (that many, one decode program each per slot bucket); a chunk takes the smallest that
-    holds its furthest slot's next writes (a slot's decode writes start at its insert's prompt bucket,
-    so slots with short prompts early in a rollout read a short prefix). The host keeps an upper bound
-    of every slot's write position (its insert's bucket plus the steps of the chunks it was in), so
-    choosing a window reads nothing back from the device and waits for no insert. 1: always the whole
-    cache;
-    ``overlap``: dispatch the next decode chunk before the caller's host work (``EngineSession.step``).
-    """
-
-    def __init__(self, sampler: Sampler, *, slots: int, max_new_tokens: int, chunk: int = DEFAULT_CHUNK,
-                 slot_levels: int = DEFAULT_SLOT_LEVELS, insert_rows: int = DEFAULT_INSERT_ROWS,
-                 window_levels: int = 1, overlap: bool = True):
-        self.sampler = sampler
+    def __init__(self, spec: ModelSpec, *, programs: SlotPrograms, overlap: bool = True):
+        self.spec = spec
+        self.programs = programs
         self.overlap = overlap
-        self.kernels = SlotSampler.shared(sampler, slots=slots, max_new_tokens=max_new_tokens, chunk=chunk,
-                                          slot_levels=slot_levels, insert_rows=insert_rows,
-                                          window_levels=window_levels)
-        self.bank = ConstraintBank(sampler.vocab_size)  # the run's automata on the device
+        self.bank = ConstraintBank(spec.vocab_size)  # the run's automata on the device
         self.automata = AutomatonCache()  # the policies' automata, kept across rollouts
         self.last_stats: EngineStats | None = None  # the counters of the latest session
 
     @property
     def num_slots(self) -> int:
-        return self.kernels.num_slots
+        return self.programs.num_slots
 
     @property
     def compile_count(self) -> int:
-        return self.kernels.compile_count
+        return self.programs.compile_count
 
     def session(self, state: Any, params: SamplingParams, key: jax.Array) -> EngineSession:
         """A fresh set of free slots generating with the model ``state`` and ``params``."""
-        if params.max_new_tokens > self.kernels.max_new_tokens:
+        if params.max_new_tokens > self.programs.max_new_tokens:
             raise ValueError(f"max_new_tokens {params.max_new_tokens} exceeds the engine's "
-                             f"{self.kernels.max_new_tokens}")
-        return EngineSession(self, self.sampler.place_state(state), params, key)
+                             f"{self.programs.max_new_tokens}")
+        return EngineSession(self, self.spec.place_state(state), params, key)
 
 
 class EngineSession:
@@ -195,15 +181,15 @@ class EngineSession:
 
     def __init__(self, engine: RolloutEngine, state: Any, params: SamplingParams, key: jax.Array):
         self.engine = engine
-        self.kernels = engine.kernels
+        self.programs = engine.programs
         self.state = state
         self.params = params
         self.key = key
-        self.slots: Slots = self.kernels.empty()
+        self.slots: SlotState = self.programs.empty()
         self.queue: list[tuple[tuple[int, ...], int, EngineRequest]] = []  # a heap
         self._arrivals = itertools.count()
         self.running: dict[int, EngineRequest] = {}
-        self.free: set[int] = set(range(self.kernels.num_slots))
+        self.free: set[int] = set(range(self.programs.num_slots))
         self.prefixes: dict[tuple[int, ...], Donor] = {}  # prompts held by some slot's cache
         self.slot_prompt: dict[int, tuple[int, ...]] = {}
         self.stats = EngineStats()
@@ -212,7 +198,7 @@ class EngineSession:
         # Per slot, an upper bound of its cache write position, kept on the host: its insert's bucket plus
         # the steps of every chunk since (a slot that finished early advanced less). Windows are chosen
         # from it, so a dispatch never waits to read positions back.
-        self.write_bound = np.zeros(self.kernels.num_slots, np.int64)
+        self.write_bound = np.zeros(self.programs.num_slots, np.int64)
         engine.last_stats = self.stats
 
     @property
@@ -278,12 +264,12 @@ class EngineSession:
         if not decoding:
             return
         decoding = self._compact(decoding)
-        kernels = self.kernels
-        bucket = kernels.slot_bucket(max(s % kernels.local_slots for s in decoding))
-        window = kernels.window(int(self.write_bound[decoding].max()))
-        self.slots, steps = kernels.decode(self.state, self.slots, self.params, self.key, window, bucket,
-                                           bank=self._bank())
-        self._pending = (steps, bucket * kernels.ways, window, decoding)
+        programs = self.programs
+        bucket = programs.slot_bucket(max(s % programs.local_slots for s in decoding))
+        window = programs.window(int(self.write_bound[decoding].max()))
+        self.slots, steps = programs.decode(self.state, self.slots, self.params, self.key, window, bucket,
+                                            bank=self._bank())
+        self._pending = (steps, bucket * programs.ways, window, decoding)
 
     def _wait(self) -> np.ndarray:
         """Finish the dispatched chunk (its counters) and return every slot's done flag."""
@@ -300,16 +286,16 @@ class EngineSession:
 
     def _bank(self) -> Any:
         """The engine's constraint bank on the device (uploaded again only when it grew)."""
-        return self.engine.bank.device(self.kernels.bank_sharding())
+        return self.engine.bank.device(self.programs.bank_sharding())
 
     def _compact(self, decoding: list[int]) -> list[int]:
         """Pack every device's running slots into the front of its block: the highest decoding slot
         moves into the lowest free one below the block's running count, so a decode chunk computes a
         small slot bucket once few slots are left. Returns the decoding slots after the moves."""
-        local = self.kernels.local_slots
+        local = self.programs.local_slots
         active = set(decoding)
         moves: list[tuple[int, int]] = []
-        for first in range(0, self.kernels.num_slots, local):
+        for first in range(0, self.programs.num_slots, local):
             block = range(first, first + local)
             running = [s for s in block if s in self.running]
             holes = [s for s in block[:len(running)] if s in self.free]
@@ -317,7 +303,7 @@ class EngineSession:
             moves += zip(movers, holes)
         if not moves:
             return decoding
-        self.slots = self.kernels.move(self.slots, moves)
+        self.slots = self.programs.move(self.slots, moves)
         for src, dst in moves:
             self.write_bound[dst] = self.write_bound[src]
             self.running[dst] = self.running.pop(src)
@@ -345,12 +331,12 @@ class EngineSession:
         """Free slots for up to ``count`` new requests (at most ``insert_rows`` per device: one insert
         program): each on the device with the fewest running slots (ties: the first), the lowest free slot
         there (one device: the lowest free slots)."""
-        local, cap = self.kernels.local_slots, self.kernels.insert_rows
-        load = [0] * self.kernels.ways
+        local, cap = self.programs.local_slots, self.programs.insert_rows
+        load = [0] * self.programs.ways
         for s in self.running:
             load[s // local] += 1
-        free = [sorted(s for s in self.free if s // local == d) for d in range(self.kernels.ways)]
-        taken = [0] * self.kernels.ways
+        free = [sorted(s for s in self.free if s // local == d) for d in range(self.programs.ways)]
+        taken = [0] * self.programs.ways
         out = []
         for _ in range(count):
             open_ = [d for d in range(len(free)) if free[d] and taken[d] < cap]
@@ -374,23 +360,23 @@ class EngineSession:
         take = [heapq.heappop(self.queue)[2] for _ in targets]
         # A prompt some slot of the target's device already holds is copied from it (no cache row crosses
         # devices); the others are prefilled, each once.
-        local = self.kernels.local_slots
+        local = self.programs.local_slots
         unique: dict[tuple[int, ...], int] = {}
         donors = [d if d is not None and d.slot // local == slot // local else None
                   for d, slot in zip((self.prefixes.get(r.prompt_ids) for r in take), targets)]
         source = [0 if d is not None else unique.setdefault(r.prompt_ids, len(unique))
                   for r, d in zip(take, donors)]
         prompts = list(unique)
-        bucket = self.kernels.prompt_bucket(prompts, donors)
+        bucket = self.programs.prompt_bucket(prompts, donors)
         bank = self.engine.bank
         uploaded = bank.uploaded_bytes
         rules = [bank.index(r.automaton) for r in take]
         paths = np.asarray([r.key_path for r in take], np.int32)
-        self.slots = self.kernels.insert(
+        self.slots = self.programs.insert(
             self.state, self.slots, prompts, source, targets, [r.limit for r in take], rules, paths,
             self.params, self.key, donors, bank=self._bank(),
         )
-        total, indices = self.kernels.last_insert_bytes
+        total, indices = self.programs.last_insert_bytes
         self.stats.insert_bytes += total
         self.stats.index_bytes += indices
         self.stats.upload_bytes += bank.uploaded_bytes - uploaded

@@ -23,7 +23,6 @@ replays the same automaton (``constraints.constraint_masks``) in the log-prob re
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -37,10 +36,10 @@ from flax import nnx
 
 from mage_jax.generate.constraints import TokenAutomaton, stack_automata
 from mage_jax.generate.shapes import bucket, left_padded, pow2, sorted_buckets
-from mage_jax.generate.step import Sampling, SamplingParams, prefill, token_step
+from mage_jax.generate.spec import ModelSpec
+from mage_jax.generate.step import Sampling, SamplingParams, count_token, prefill, token_step
 from mage_jax.models.sharding import to_host
 
-DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -56,6 +55,22 @@ class GenerationResult:
     batch_buckets: tuple[int, ...] = ()
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Lockstep:
+    """The state of the lockstep decode loop (arrays lead with the batch's rows, as ``slots.Slots``)."""
+
+    step: Any  # int32: the response index of the token drawn next
+    cache: Any  # KVCache: the prompts' and the responses' keys and values so far
+    last: Any  # int32[B]: the last drawn token, fed at the next step
+    tokens: Any  # int32[B, N]: response tokens (pad where a row was done)
+    logprobs: Any  # float32[B, N]: their log-probs (0 where a row was done)
+    auto: Any  # int32[B]: automaton state
+    done: Any  # bool[B]: EOS, limit reached, or a dummy row
+    finished: Any  # bool[B]: the response ended with EOS
+    length: Any  # int32[B]: response tokens drawn so far
+
+
 # -------------------------------------------------------------------------------------- sampler
 @dataclasses.dataclass(frozen=True)
 class Program:
@@ -66,45 +81,13 @@ class Program:
 
 
 class Sampler:
-    """Jitted batched generation for one model graph; see the module docstring.
+    """Jitted batched generation for the model of ``spec`` (``generate.spec.ModelSpec``: graph, special
+    ids, prompt buckets, mesh); see the module docstring. A batch is padded to the smallest of
+    ``batch_buckets`` that holds it (a larger one runs in chunks of the largest)."""
 
-    ``graphdef`` comes from ``nnx.split(model)``; ``config`` is its ``ModelConfig``. ``eos_ids`` stop a
-    row; ``pad_id`` fills left padding and the unused tail of responses. With a ``mesh`` (axes
-    'data', 'fsdp', 'tensor' of ``mage_jax.models.sharding``) the state is placed with
-    ``state_shardings`` (default: the partition rules), rows of the batch and the KV cache over
-    ('data', 'fsdp') and kv heads over 'tensor'. Without a mesh everything stays where it is.
-    """
-
-    def __init__(
-        self,
-        graphdef: Any,
-        config: Any,
-        *,
-        eos_ids: Sequence[int],
-        pad_id: int,
-        prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
-        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
-        cache_dtype: Any = None,
-        mesh: jax.sharding.Mesh | None = None,
-        state_shardings: Any = None,
-    ):
-        if not eos_ids:
-            raise ValueError("the sampler needs at least one EOS id")
-        self.graphdef = graphdef
-        self.config = config
-        self.vocab_size = int(config.vocab_size)
-        self.eos_ids = tuple(int(i) for i in eos_ids)
-        self.pad_id = int(pad_id)
-        for tid in (*self.eos_ids, self.pad_id):
-            if not 0 <= tid < self.vocab_size:
-                raise ValueError(
-                    f"special token id {tid} is outside the model vocabulary [0, {self.vocab_size})"
-                )
-        self.prompt_buckets = sorted_buckets(prompt_buckets, "prompt_buckets")
+    def __init__(self, spec: ModelSpec, *, batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS):
+        self.spec = spec
         self.batch_buckets = sorted_buckets(batch_buckets, "batch_buckets")
-        self.cache_dtype = cache_dtype
-        self.mesh = mesh
-        self.state_shardings = state_shardings
         self.compile_count = 0
         self._compiled: dict[Program, Callable] = {}
         self._init_cache_fns: dict[tuple[int, int], Callable] = {}
@@ -127,19 +110,20 @@ class Sampler:
         """
         n = len(prompts)
         lengths = [len(p) for p in prompts]
-        state = self.place_state(state)
+        spec = self.spec
+        state = spec.place_state(state)
         if n == 0:
             return GenerationResult([], [], np.zeros(0, bool), self.compile_count)
         if min(lengths) == 0:
             raise ValueError(f"prompt {lengths.index(0)} is empty; every prompt needs at least one token")
         longest = max(lengths)
-        if longest > self.prompt_buckets[-1]:
+        if longest > spec.prompt_buckets[-1]:
             row = lengths.index(longest)
             raise ValueError(
                 f"prompt {row} has {longest} tokens, longer than the largest prompt bucket "
-                f"({self.prompt_buckets[-1]}); shorten the prompt or add a larger bucket"
+                f"({spec.prompt_buckets[-1]}); shorten the prompt or add a larger bucket"
             )
-        prompt_bucket = bucket(longest, self.prompt_buckets)
+        prompt_bucket = bucket(longest, spec.prompt_buckets)
         limits = self._row_limits(max_new_tokens_per_row, n, params.max_new_tokens)
         automata = self._row_automata(constraints, n)
 
@@ -199,25 +183,26 @@ class Sampler:
     def _generate_chunk(self, state, prompts, limits, automata, prompt_bucket, params, key):
         n = len(prompts)
         batch = bucket(n, self.batch_buckets)
-        tokens, valid = left_padded(prompts, batch, prompt_bucket, pad_id=self.pad_id,
-                                    vocab_size=self.vocab_size)
+        spec = self.spec
+        tokens, valid = left_padded(prompts, batch, prompt_bucket, pad_id=spec.pad_id,
+                                    vocab_size=spec.vocab_size)
         row_limits = np.zeros(batch, np.int32)  # dummy rows: limit 0, finished before the first step
         row_limits[:n] = limits
         transitions = None
         if automata is not None:
             states = max(1 if a is None else a.num_states for a in automata)
             transitions = stack_automata(
-                list(automata) + [None] * (batch - n), self.vocab_size, num_states=pow2(states)
+                list(automata) + [None] * (batch - n), spec.vocab_size, num_states=pow2(states)
             )
         fn = self._program(Program(constrained=transitions is not None))
         cache = self._init_cache(batch, prompt_bucket + params.max_new_tokens)
-        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+        with spec.mesh_context():
             out_tokens, out_logps, lengths, finished = fn(
                 state,
                 cache,
                 *self._place_batch(tokens, valid, row_limits, transitions),
                 key,
-                Sampling.of(params, self.vocab_size),
+                Sampling.of(params, spec.vocab_size),
             )
         out_tokens, out_logps, lengths, finished = (to_host(a) for a in (out_tokens, out_logps, lengths,
                                                                           finished))
@@ -237,18 +222,19 @@ class Sampler:
         ``ShapeDtypeStruct`` leaves with their shardings) with its KV cache; nothing is allocated."""
         from mage_jax.models.transformer import init_cache
 
-        cache = jax.eval_shape(lambda: init_cache(self.config, rows, prompt_len + params.max_new_tokens,
-                                                  self.cache_dtype))
-        if self.mesh is not None:
+        spec = self.spec
+        cache = jax.eval_shape(lambda: init_cache(spec.config, rows, prompt_len + params.max_new_tokens,
+                                                  spec.cache_dtype))
+        if spec.mesh is not None:
             from mage_jax.models.sharding import cache_sharding
 
-            sharding = cache_sharding(self.config, self.mesh, rows)
+            sharding = cache_sharding(spec.config, spec.mesh, rows)
             cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), cache)
         batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=self._row_sharding(rows)) for shape, dtype in
                  (((rows, prompt_len), jnp.int32), ((rows, prompt_len), jnp.bool_), ((rows,), jnp.int32))]
         fn = self._program(Program(constrained=False))
-        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            sampling = Sampling.of(params, self.vocab_size)
+        with spec.mesh_context():
+            sampling = Sampling.of(params, spec.vocab_size)
             return fn.lower(state, cache, *batch, None, jax.eval_shape(jax.random.key, 0), sampling)
 
     def _init_cache(self, batch: int, max_len: int):
@@ -258,52 +244,43 @@ class Sampler:
             from mage_jax.models.transformer import init_cache
 
             sharding = None
-            if self.mesh is not None:
+            spec = self.spec
+            if spec.mesh is not None:
                 from mage_jax.models.sharding import cache_sharding
 
-                sharding = cache_sharding(self.config, self.mesh, batch)
-            args = (self.config, batch, max_len, self.cache_dtype)
+                sharding = cache_sharding(spec.config, spec.mesh, batch)
+            args = (spec.config, batch, max_len, spec.cache_dtype)
             fn = jax.jit(functools.partial(init_cache, *args), out_shardings=sharding)
             self._init_cache_fns[(batch, max_len)] = fn
         return fn()
 
-    def place_state(self, state: Any) -> Any:
-        """``state`` placed with the sampler's parameter shardings (as it is without a mesh)."""
-        if self.mesh is None and self.state_shardings is None:
-            return state
-        if self.state_shardings is None:
-            from mage_jax.models.sharding import param_shardings
-
-            self.state_shardings = param_shardings(state, self.mesh)
-        return jax.device_put(state, self.state_shardings)
-
     def _row_sharding(self, rows: int) -> Any:
         """Rows over the mesh's batch axes (replicated when ``rows`` does not divide them); None: no mesh."""
-        if self.mesh is None:
+        mesh = self.spec.mesh
+        if mesh is None:
             return None
         from mage_jax.models.sharding import batch_sharding, replicated
 
-        rows_sharding = batch_sharding(self.mesh)
-        divisor = math.prod(self.mesh.shape[a] for a in rows_sharding.spec[0])
-        return rows_sharding if rows % divisor == 0 else replicated(self.mesh)
+        rows_sharding = batch_sharding(mesh)
+        divisor = math.prod(mesh.shape[a] for a in rows_sharding.spec[0])
+        return rows_sharding if rows % divisor == 0 else replicated(mesh)
 
     def _place_batch(self, *arrays):
         """Every array placed with ``_row_sharding`` of its rows (None stays None)."""
-        if self.mesh is None:
+        if self.spec.mesh is None:
             return arrays
         return [None if a is None else jax.device_put(a, self._row_sharding(a.shape[0])) for a in arrays]
 
     def _build(self, program: Program) -> Callable:
-        graphdef = self.graphdef
-        eos_ids = np.asarray(self.eos_ids, np.int32)  # a constant of the program: no device work
-        pad_id = self.pad_id
+        graphdef = self.spec.graphdef
+        eos_ids = np.asarray(self.spec.eos_ids, np.int32)  # a constant of the program: no device work
+        pad_id = self.spec.pad_id
 
         def run(state, cache, tokens, valid, limits, transitions, key, sampling):
             self.compile_count += 1  # runs once per trace, i.e. once per compiled program
             model = nnx.merge(graphdef, state)
             batch, prompt_len = tokens.shape
             max_len = cache.max_len
-            max_new = max_len - prompt_len
             table = transitions if program.constrained else None
 
             def pick(step, logits, auto_state, done):
@@ -316,44 +293,34 @@ class Sampler:
             prompt_lens = valid.sum(axis=-1).astype(jnp.int32)
             kv_start = (prompt_len - prompt_lens).astype(jnp.int32)  # each row's first real slot
 
-            done0 = limits <= 0
-            out_tokens = jnp.full((batch, max_new), pad_id, jnp.int32)
-            out_logps = jnp.zeros((batch, max_new), jnp.float32)
-            drawn = pick(jnp.int32(0), logits, jnp.zeros((batch,), jnp.int32), done0)
-            lengths = jnp.where(done0, 0, 1).astype(jnp.int32)
-            carry = (
-                jnp.int32(1),
-                cache,
-                drawn.token,
-                out_tokens.at[:, 0].set(drawn.token),
-                out_logps.at[:, 0].set(drawn.logp),
-                drawn.auto,
-                done0 | drawn.eos | (lengths >= limits),
-                drawn.eos,
-                lengths,
-            )
+            n = max_len - prompt_len
+            zeros = jnp.zeros((batch,), jnp.int32)
+            drawn = pick(jnp.int32(0), logits, zeros, limits <= 0)
+            length, done, finished = count_token(drawn, zeros, limits <= 0, jnp.zeros((batch,), bool), limits)
+            init = _Lockstep(
+                step=jnp.int32(1), cache=cache, last=drawn.token,
+                tokens=jnp.full((batch, n), pad_id, jnp.int32).at[:, 0].set(drawn.token),
+                logprobs=jnp.zeros((batch, n), jnp.float32).at[:, 0].set(drawn.logp),
+                auto=drawn.auto, done=done, finished=finished, length=length)
 
-            def cond(carry):
-                step, done = carry[0], carry[6]
-                return (step < max_new) & ~done.all()
+            def cond(s: _Lockstep):
+                return (s.step < n) & ~s.done.all()
 
-            def body(carry):
-                step, cache, prev, out_tokens, out_logps, auto_state, done, finished, lengths = carry
-                slot = prompt_len + step - 1  # the previous token goes into this cache slot
-                pos = (prompt_lens + step - 1)[:, None]
-                hidden, cache = model(prev[:, None], pos, cache=cache, cache_index=slot, kv_start=kv_start)
-                drawn = pick(step, model.logits(hidden)[:, 0], auto_state, done)
-                lengths = lengths + (~done).astype(jnp.int32)
-                finished = finished | drawn.eos
-                done = done | drawn.eos | (lengths >= limits)
-                out_tokens = jax.lax.dynamic_update_slice(out_tokens, drawn.token[:, None], (0, step))
-                out_logps = jax.lax.dynamic_update_slice(out_logps, drawn.logp[:, None], (0, step))
-                return (step + 1, cache, drawn.token, out_tokens, out_logps, drawn.auto, done, finished,
-                        lengths)
+            def body(s: _Lockstep) -> _Lockstep:
+                slot = prompt_len + s.step - 1  # the previous token goes into this cache slot
+                pos = (prompt_lens + s.step - 1)[:, None]
+                hidden, cache = model(s.last[:, None], pos, cache=s.cache, cache_index=slot,
+                                      kv_start=kv_start)
+                drawn = pick(s.step, model.logits(hidden)[:, 0], s.auto, s.done)
+                length, done, finished = count_token(drawn, s.length, s.done, s.finished, limits)
+                return _Lockstep(
+                    step=s.step + 1, cache=cache, last=drawn.token,
+                    tokens=jax.lax.dynamic_update_slice(s.tokens, drawn.token[:, None], (0, s.step)),
+                    logprobs=jax.lax.dynamic_update_slice(s.logprobs, drawn.logp[:, None], (0, s.step)),
+                    auto=drawn.auto, done=done, finished=finished, length=length)
 
-            carry = jax.lax.while_loop(cond, body, carry)
-            _, cache, _, out_tokens, out_logps, _, _, finished, lengths = carry
-            return out_tokens, out_logps, lengths, finished, cache
+            out = jax.lax.while_loop(cond, body, init)
+            return out.tokens, out.logprobs, out.length, out.finished, out.cache
 
         jitted = jax.jit(run, donate_argnums=(1,))
 

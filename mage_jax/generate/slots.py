@@ -1,4 +1,5 @@
-"""Jitted kernels of the rollout engine: a fixed set of decode slots over one static KV cache.
+"""The rollout engine's slot programs (``CompiledSlotPrograms``: the ``spec.SlotPrograms`` it runs,
+compiled by XLA): a fixed set of decode slots over one static KV cache.
 
 ``generate.sampler.Sampler`` runs one batch from prefill to its longest row; the engine
 (``generate.engine``) instead keeps ``S`` decode *slots* alive for a whole rollout and moves
@@ -11,10 +12,9 @@ slot state they share; scheduling (which request goes where, prefix sharing, pac
   positions ``0..P-1``, and draw each target's first token from the prefill logits. The prompt rows
   shard over the batch axes; the targets arrive by device block and each device copies keys and values
   into its own slots only (``_on_blocks``, a ``shard_map``), so a donor slot must lie on its target's
-  device. (Copies at global slot indices made XLA hold every target's keys and values of every layer on
-  every device: 332 GB per device for Kuhn Poker ``paper`` on 8 H100, 31 GB now.) The copies happen
-  layer by layer inside the prefill (a ``models.transformer.KVSink``): a prefill into a temporary cache
-  of every layer, copied afterwards, held 4.7 GB more at ``small`` (docs/scaling.md).
+  device (copies at global slot indices would make XLA hold every target's keys and values on every
+  device; docs/scaling.md). The copies happen layer by layer inside the prefill (a
+  ``models.transformer.KVSink``), so no temporary cache of every layer of the prompt rows is held.
 * ``decode``: up to ``chunk`` decode steps of every slot at once, leaving the loop early when every slot
   is done. Each slot writes at its own cache position and attends over its own span
   ``kv_start .. write`` (per-row ``cache_index`` of ``models.transformer``), so a slot that holds a
@@ -33,8 +33,8 @@ the response buffer ``N = max_new_tokens``, the automaton states ``Q``. The set 
 fixed: an insert takes ``insert_rows`` targets per device block (and as many prompts), so it compiles
 once per prompt bucket ``P``; a decode once per slot bucket (two by default: all slots, a quarter) over
 the whole cache; a move once. The engine splits larger inserts. After warm-up nothing recompiles
-(``compile_count`` counts traces), and ``SlotSampler.shared`` gives every engine of a process with the
-same model graph and shapes the same programs: a second run, or an evaluation after training (other
+(``compile_count`` counts traces), and ``CompiledSlotPrograms.shared`` gives every engine of a process
+with the same model graph and shapes the same programs: a second run, or an evaluation after training (other
 sampling settings are runtime values, ``step.Sampling``), compiles no new engine program.
 
 Randomness: a slot's token ``i`` is drawn with ``fold_in(fold_in(fold_in(fold_in(key, a), b), c), i)``
@@ -52,7 +52,6 @@ table (``insert_bytes``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -67,20 +66,16 @@ from jax.sharding import PartitionSpec as P
 
 from mage_jax.generate import shapes
 from mage_jax.generate.bank import MIN_AUTOMATA, MIN_COLUMNS, MIN_STATES, Bank, ConstraintBank
-from mage_jax.generate.sampler import Sampler
-from mage_jax.generate.step import (
-    KEY_PATH_LEN,
-    Sampling,
-    SamplingParams,
-    row_keys,
-    token_step,
-)
+from mage_jax.generate.engine import RolloutEngine
+from mage_jax.generate.spec import Donor, ModelSpec
+from mage_jax.generate.step import KEY_PATH_LEN, Sampling, SamplingParams, count_token, row_keys, token_step
 from mage_jax.models.transformer import KVCache, KVSink, init_cache, positions_from_mask, update_layer
 
 _NOWHERE = 2**30  # a cache position past any cache: the write is dropped
+DEFAULT_CHUNK = 8  # decode steps between the engine's host checks
 DEFAULT_SLOT_LEVELS = 2  # slot buckets: all slots, 1/4 (then 1/16, ...)
 DEFAULT_INSERT_ROWS = 8  # targets (and prompts) per insert program and device block
-_SHARED: dict[tuple, SlotSampler] = {}  # SlotSampler.shared: the engine programs of this process
+_SHARED: dict[tuple, CompiledSlotPrograms] = {}  # CompiledSlotPrograms.shared: this process's programs
 
 
 @jax.tree_util.register_dataclass
@@ -110,35 +105,24 @@ class Slots:
 
 
 
-@dataclasses.dataclass(frozen=True)
-class Donor:
-    """A slot whose cache positions ``bucket - length .. bucket - 1`` hold a prompt's keys and values
-    (and whose ``prompt_hidden`` its last hidden state): a later request with the same prompt copies them
-    instead of prefilling. Valid until the slot is given to another request (decode writes start at
-    ``bucket``)."""
+class CompiledSlotPrograms:
+    """The insert, decode and move programs of ``S`` slots for the model of ``spec`` (its graph, special
+    ids, prompt buckets, mesh and parameter shardings), compiled by XLA: the ``spec.SlotPrograms`` the
+    rollout engine runs; see the module docstring."""
 
-    slot: int
-    bucket: int
-    length: int
-
-
-class SlotSampler:
-    """The insert and decode programs of ``S`` slots for the model of ``sampler`` (its graph, special
-    ids, prompt buckets, mesh and parameter shardings); see the module docstring."""
-
-    def __init__(self, sampler: Sampler, *, slots: int, max_new_tokens: int, chunk: int,
+    def __init__(self, spec: ModelSpec, *, slots: int, max_new_tokens: int, chunk: int = DEFAULT_CHUNK,
                  slot_levels: int = DEFAULT_SLOT_LEVELS, insert_rows: int = DEFAULT_INSERT_ROWS,
                  window_levels: int = 1):
         if min(slots, chunk, max_new_tokens, slot_levels, insert_rows, window_levels) < 1:
             raise ValueError(f"slots, chunk, max_new_tokens, slot_levels, insert_rows and window_levels must "
                              f"be positive, got {slots}, {chunk}, {max_new_tokens}, {slot_levels}, "
                              f"{insert_rows}, {window_levels}")
-        mesh = sampler.mesh
+        mesh = spec.mesh
         ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
         if slots % ways:
             raise ValueError(f"engine slots ({slots}) must be a multiple of the mesh's data x fsdp "
                              f"ways ({ways}) so that slots shard with the rows")
-        self.sampler = sampler
+        self.spec = spec
         self.num_slots = int(slots)
         self.ways = ways
         self.local_slots = self.num_slots // ways
@@ -147,7 +131,7 @@ class SlotSampler:
         self.insert_rows = min(int(insert_rows), self.local_slots)
         self.max_new_tokens = int(max_new_tokens)
         self.chunk = int(chunk)
-        self.max_len = sampler.prompt_buckets[-1] + self.max_new_tokens
+        self.max_len = spec.prompt_buckets[-1] + self.max_new_tokens
         # Decode windows: the whole cache, its half, ... (window_levels of them, none under a chunk).
         self.windows = tuple(sorted({max(-(-self.max_len // 2**k), self.chunk)
                                      for k in range(window_levels)}))
@@ -162,33 +146,32 @@ class SlotSampler:
         self._specs: Any = None
 
     @classmethod
-    def shared(cls, sampler: Sampler, **kwargs: Any) -> SlotSampler:
-        """The programs of ``sampler``'s model and these shapes, built once per process: every engine with
-        the same graph, special ids, prompt buckets, cache dtype, mesh and arguments gets one instance
-        (and so no new compile). Unhashable parts (an exotic mesh or dtype) fall back to a new one."""
-        key = (sampler.graphdef, sampler.config, sampler.eos_ids, sampler.pad_id, sampler.prompt_buckets,
-               sampler.cache_dtype, sampler.mesh, tuple(sorted(kwargs.items())))
+    def shared(cls, spec: ModelSpec, *, slots: int, max_new_tokens: int, chunk: int = DEFAULT_CHUNK,
+               slot_levels: int = DEFAULT_SLOT_LEVELS, insert_rows: int = DEFAULT_INSERT_ROWS,
+               window_levels: int = 1) -> CompiledSlotPrograms:
+        """The programs of ``spec``'s model and these shapes, built once per process: every engine with
+        the same graph, special ids, prompt buckets, cache dtype, mesh and shapes gets one instance (and
+        so no new compile). Unhashable parts (an exotic mesh or dtype) fall back to a new one."""
+        shape = dict(slots=slots, max_new_tokens=max_new_tokens, chunk=chunk, slot_levels=slot_levels,
+                     insert_rows=insert_rows, window_levels=window_levels)
+        key = (spec.program_key, tuple(sorted(shape.items())))
         try:
             found = _SHARED.get(key)
         except TypeError:
-            return cls(sampler, **kwargs)
+            return cls(spec, **shape)
         if found is None:
-            found = _SHARED[key] = cls(sampler, **kwargs)
+            found = _SHARED[key] = cls(spec, **shape)
         return found
 
     # ------------------------------------------------------------------------------------ state
-    def _mesh_context(self):
-        mesh = self.sampler.mesh
-        return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-
     def _shardings(self) -> Any:
-        mesh = self.sampler.mesh
+        mesh = self.spec.mesh
         if mesh is None:
             return None
         from mage_jax.models.sharding import batch_sharding, cache_sharding
 
         rows = batch_sharding(mesh)
-        cache = cache_sharding(self.sampler.config, mesh, self.num_slots)
+        cache = cache_sharding(self.spec.config, mesh, self.num_slots)
         example = jax.eval_shape(self._zeros)
         return dataclasses.replace(
             jax.tree.map(lambda _: rows, example),
@@ -197,17 +180,17 @@ class SlotSampler:
 
     def _zeros(self) -> Slots:
         s, n = self.num_slots, self.max_new_tokens
-        sampler = self.sampler
+        spec = self.spec
         zeros = functools.partial(jnp.zeros, (s,), jnp.int32)
         return Slots(
-            cache=init_cache(sampler.config, s, self.max_len, sampler.cache_dtype),
+            cache=init_cache(spec.config, s, self.max_len, spec.cache_dtype),
             last=zeros(), write=zeros(), position=zeros(), kv_start=zeros(), length=zeros(),
             limit=zeros(), done=jnp.ones((s,), bool), finished=jnp.zeros((s,), bool), auto=zeros(),
             rule=zeros(),
             key_path=jnp.zeros((s, KEY_PATH_LEN), jnp.int32),
-            tokens=jnp.full((s, n), sampler.pad_id, jnp.int32),
+            tokens=jnp.full((s, n), spec.pad_id, jnp.int32),
             logprobs=jnp.zeros((s, n), jnp.float32),
-            prompt_hidden=jnp.zeros((s, sampler.config.hidden_size), sampler.config.jnp_dtype),
+            prompt_hidden=jnp.zeros((s, spec.config.hidden_size), spec.config.jnp_dtype),
         )
 
     def abstract_slots(self) -> Slots:
@@ -223,21 +206,21 @@ class SlotSampler:
         """The shapes of a constraint bank of ``shape`` (A, Q, C; default: the smallest), replicated."""
         a, q, c = shape or (MIN_AUTOMATA, MIN_STATES, MIN_COLUMNS)
         sharding = self.bank_sharding()
-        return Bank(jax.ShapeDtypeStruct((self.sampler.vocab_size,), jnp.int32, sharding=sharding),
+        return Bank(jax.ShapeDtypeStruct((self.spec.vocab_size,), jnp.int32, sharding=sharding),
                     jax.ShapeDtypeStruct((a, q, c), jnp.int32, sharding=sharding))
 
     def bank_sharding(self) -> Any:
         """Where a constraint bank lives: replicated over the mesh (None without one)."""
-        if self.sampler.mesh is None:
+        if self.spec.mesh is None:
             return None
         from mage_jax.models.sharding import replicated
 
-        return replicated(self.sampler.mesh)
+        return replicated(self.spec.mesh)
 
     def accept_all_bank(self) -> Bank:
         """The bank of unconstrained requests only (index 0), for callers without automata."""
         if self._accept_all is None:
-            self._accept_all = ConstraintBank(self.sampler.vocab_size).device(self.bank_sharding())
+            self._accept_all = ConstraintBank(self.spec.vocab_size).device(self.bank_sharding())
         return self._accept_all
 
     def empty(self) -> Slots:
@@ -257,7 +240,7 @@ class SlotSampler:
 
         ``donors[t]``, when given, is a slot that already holds request t's prompt (same tokens): its
         keys and values are copied instead (``source[t]`` is then ignored, and ``prompts`` may be empty)."""
-        sampler = self.sampler
+        spec = self.spec
         donors = list(donors) if donors is not None else [None] * len(targets)
         u, t = len(prompts), len(targets)
         if not (0 <= u <= t <= self.num_slots and t > 0 and len(donors) == t):
@@ -265,8 +248,8 @@ class SlotSampler:
         if any(d is None for d in donors) and u == 0:
             raise ValueError("a target without a donor needs a prompt to prefill")
         lengths = [len(p) for p in prompts]
-        if u and (max(lengths) > sampler.prompt_buckets[-1] or min(lengths) == 0):
-            raise ValueError(f"prompts must have 1..{sampler.prompt_buckets[-1]} tokens")
+        if u and (max(lengths) > spec.prompt_buckets[-1] or min(lengths) == 0):
+            raise ValueError(f"prompts must have 1..{spec.prompt_buckets[-1]} tokens")
         p_bucket = self.prompt_bucket(prompts, donors)
         local, ways = self.local_slots, self.ways
         per_block: list[list[int]] = [[] for _ in range(ways)]  # request indices by their target's device
@@ -279,8 +262,8 @@ class SlotSampler:
                              f"(insert_rows); split it")
         t_bucket = self.insert_rows
         u_bucket = t_bucket * ways
-        tokens, valid = shapes.left_padded(prompts, u_bucket, p_bucket, pad_id=sampler.pad_id,
-                                           vocab_size=sampler.vocab_size)
+        tokens, valid = shapes.left_padded(prompts, u_bucket, p_bucket, pad_id=spec.pad_id,
+                                           vocab_size=spec.vocab_size)
         valid[u:, -1] = True  # dummy prompts: one real token, so their (discarded) prefill stays finite
         shape = (ways, t_bucket)
         src = np.zeros(shape, np.int32)
@@ -305,13 +288,13 @@ class SlotSampler:
                 paths[w, j] = key_paths[i]
         sent = (tokens, valid, src, donor, base, lens, dst, lim, rule, paths)
         self.last_insert_bytes = (sum(a.nbytes for a in sent), rule.nbytes)
-        with self._mesh_context():
+        with self.spec.mesh_context():
             return self._insert_program()(state, slots, tokens, valid, src, donor, base, lens, dst, lim,
                                           rule, paths, key, self._sampling(params),
                                           bank or self.accept_all_bank())
 
     def _sampling(self, params: SamplingParams) -> Sampling:
-        return Sampling.of(params, self.sampler.vocab_size)
+        return Sampling.of(params, self.spec.vocab_size)
 
     def _insert_program(self) -> Callable:
         if self._insert is None:
@@ -331,18 +314,18 @@ class SlotSampler:
                 jax.ShapeDtypeStruct((rows, prompt_len), jnp.bool_), *(i32(block) for _ in range(6)),
                 i32(block), i32(block + (KEY_PATH_LEN,)),
                 jax.eval_shape(jax.random.key, 0), self._sampling(params), self.abstract_bank(bank_shape))
-        with self._mesh_context():
+        with self.spec.mesh_context():
             return self._insert_program().lower(*args)
 
     def prompt_bucket(self, prompts: Sequence[Sequence[int]], donors: Sequence[Donor | None]) -> int:
         """The prompt bucket of an insert: it holds the longest prompt and every donor's bucket."""
         longest = max([len(p) for p in prompts] + [d.bucket for d in donors if d is not None])
-        return shapes.bucket(longest, self.sampler.prompt_buckets)
+        return shapes.bucket(longest, self.spec.prompt_buckets)
 
     def _build_insert(self) -> Callable:
-        sampler = self.sampler
-        graphdef, pad_id = sampler.graphdef, sampler.pad_id
-        eos_ids = np.asarray(sampler.eos_ids, np.int32)  # a constant of the program: no device work
+        spec = self.spec
+        graphdef, pad_id = spec.graphdef, spec.pad_id
+        eos_ids = np.asarray(spec.eos_ids, np.int32)  # a constant of the program: no device work
 
         def run(state, slots: Slots, tokens, valid, src, donor, base, prompt_lens, dst, limits, rule, paths,
                 key, sampling, bank) -> Slots:
@@ -390,8 +373,8 @@ class SlotSampler:
             keys = row_keys(key, flat(paths), zeros)
             drawn = token_step(logits, (bank, flat(rule)), zeros, keys, done0, sampling, eos_ids=eos_ids,
                                pad_id=pad_id)
-            token, logp, auto, hit = drawn.token, drawn.logp, drawn.auto, drawn.eos
-            length = jnp.where(done0, 0, 1).astype(jnp.int32)
+            token, logp, auto = drawn.token, drawn.logp, drawn.auto
+            length, done, finished = count_token(drawn, zeros, done0, jnp.zeros_like(done0), flat(limits))
             n = slots.tokens.shape[1]
             row_tokens = jnp.full((src.size, n), pad_id, jnp.int32).at[:, 0].set(token)
             row_logps = jnp.zeros((src.size, n), jnp.float32).at[:, 0].set(logp)
@@ -400,7 +383,6 @@ class SlotSampler:
                 value = value.reshape(src.shape + value.shape[1:])
                 return self._on_blocks(lambda b, d, v: b.at[d].set(v, mode="drop"), array, spec, (dst, value))
 
-            done = done0 | hit | (length >= flat(limits))
             return Slots(
                 cache=cache,
                 last=put(slots.last, token, specs.last),
@@ -410,7 +392,7 @@ class SlotSampler:
                 length=put(slots.length, length, specs.length),
                 limit=put(slots.limit, flat(limits), specs.limit),
                 done=put(slots.done, done, specs.done),
-                finished=put(slots.finished, hit, specs.finished),
+                finished=put(slots.finished, finished, specs.finished),
                 auto=put(slots.auto, auto, specs.auto),
                 rule=put(slots.rule, flat(rule), specs.rule),
                 key_path=put(slots.key_path, flat(paths), specs.key_path),
@@ -427,7 +409,7 @@ class SlotSampler:
     # so a decode over them and a move inside a block need no communication between devices.
     def _leaf_specs(self, slots: Slots) -> Slots:
         """A ``PartitionSpec`` per leaf of ``slots`` (None leaves without a mesh)."""
-        if self.sampler.mesh is None:
+        if self.spec.mesh is None:
             return jax.tree.map(lambda _: None, slots)
         if self._specs is None:
             self._specs = jax.tree.map(lambda sh: sh.spec, self._shardings())
@@ -467,7 +449,7 @@ class SlotSampler:
     def _constrain(self, x: jax.Array, spec: Any) -> jax.Array:
         if spec is None:
             return x
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.sampler.mesh, spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.spec.mesh, spec))
 
     def slot_bucket(self, highest_local: int) -> int:
         """The smallest slot bucket (per device) that holds local slot index ``highest_local``."""
@@ -494,7 +476,7 @@ class SlotSampler:
                 src_ix[d, i], dst_ix[d, i] = a, b
         if self._moves is None:
             self._moves = self._build_move()
-        with self._mesh_context():
+        with self.spec.mesh_context():
             return self._moves(slots, src_ix, dst_ix)
 
     def _build_move(self) -> Callable:
@@ -534,7 +516,7 @@ class SlotSampler:
         ``bucket``: decode the first ``bucket`` slots of every device's block only (a ``slot_buckets``
         entry; ``ways * bucket`` rows computed per step); every active slot must lie among them.
         None: every slot."""
-        with self._mesh_context():
+        with self.spec.mesh_context():
             return self._decode_program(window, bucket)(state, slots, key, self._sampling(params),
                                                         bank or self.accept_all_bank())
 
@@ -553,15 +535,15 @@ class SlotSampler:
                      ) -> jax.stages.Lowered:
         """The decode program of one chunk (``window`` / ``bucket`` as in ``decode``; None: the whole cache,
         every slot), lowered ahead of time for ``state`` like ``lower_insert``."""
-        with self._mesh_context():
+        with self.spec.mesh_context():
             return self._decode_program(window, bucket).lower(
                 state, self.abstract_slots(), jax.eval_shape(jax.random.key, 0), self._sampling(params),
                 self.abstract_bank(bank_shape))
 
     def _build_decode(self, window: int, bucket: int) -> Callable:
-        sampler = self.sampler
-        graphdef, pad_id, chunk = sampler.graphdef, sampler.pad_id, self.chunk
-        eos_ids = np.asarray(sampler.eos_ids, np.int32)  # a constant of the program: no device work
+        spec = self.spec
+        graphdef, pad_id, chunk = spec.graphdef, spec.pad_id, self.chunk
+        eos_ids = np.asarray(spec.eos_ids, np.int32)  # a constant of the program: no device work
         whole = bucket == self.local_slots and window == self.max_len
 
         def run(state, slots: Slots, key, sampling, bank):
@@ -585,16 +567,14 @@ class SlotSampler:
                 drawn = token_step(model.logits(hidden)[:, 0], (bank, s.rule), s.auto,
                                    row_keys(key, s.key_path, s.length), s.done, sampling,
                                    eos_ids=eos_ids, pad_id=pad_id)
-                token, logp, auto, hit = drawn.token, drawn.logp, drawn.auto, drawn.eos
                 column = jnp.where(active, s.length, n)  # done slots write out of range: dropped
-                length = s.length + active.astype(jnp.int32)
+                length, done, finished = count_token(drawn, s.length, s.done, s.finished, s.limit)
                 step_up = active.astype(jnp.int32)
                 s = dataclasses.replace(
-                    s, cache=cache, last=jnp.where(active, token, s.last), write=s.write + step_up,
-                    position=s.position + step_up, length=length,
-                    done=s.done | hit | (length >= s.limit), finished=s.finished | hit, auto=auto,
-                    tokens=s.tokens.at[rows, column].set(token, mode="drop"),
-                    logprobs=s.logprobs.at[rows, column].set(logp, mode="drop"),
+                    s, cache=cache, last=jnp.where(active, drawn.token, s.last), write=s.write + step_up,
+                    position=s.position + step_up, length=length, done=done, finished=finished,
+                    auto=drawn.auto, tokens=s.tokens.at[rows, column].set(drawn.token, mode="drop"),
+                    logprobs=s.logprobs.at[rows, column].set(drawn.logp, mode="drop"),
                 )
                 return step + 1, s
 
@@ -625,3 +605,24 @@ class SlotSampler:
             return out, steps
 
         return jax.jit(run, donate_argnums=(1,))
+
+
+def compiled_engine(spec: ModelSpec, *, slots: int, max_new_tokens: int, chunk: int = DEFAULT_CHUNK,
+                    slot_levels: int = DEFAULT_SLOT_LEVELS, insert_rows: int = DEFAULT_INSERT_ROWS,
+                    window_levels: int = 1, overlap: bool = True) -> RolloutEngine:
+    """The rollout engine of ``spec`` over the process's compiled slot programs of these shapes
+    (``CompiledSlotPrograms.shared``: another engine of the same model and shapes, in this run or the next
+    one of the process, reuses them).
+
+    ``slots``: concurrent rows (a multiple of the mesh's data x fsdp ways); ``max_new_tokens``: the longest
+    response; ``chunk``: decode steps between host checks; ``slot_levels``: slot buckets (all slots, 1/4,
+    ...); ``insert_rows``: requests one insert starts per device block (more are split);
+    ``window_levels``: the cache prefixes a chunk may attend over, the whole cache, its half, its quarter,
+    ... (one decode program each per slot bucket); a chunk takes the smallest that holds its furthest
+    slot's next writes, from the host's bound of every slot's write position (its insert's bucket plus
+    the steps of its chunks), so choosing one reads nothing back and waits for no insert. 1: always the
+    whole cache. ``overlap``: ``RolloutEngine``'s."""
+    programs = CompiledSlotPrograms.shared(spec, slots=slots, max_new_tokens=max_new_tokens, chunk=chunk,
+                                           slot_levels=slot_levels, insert_rows=insert_rows,
+                                           window_levels=window_levels)
+    return RolloutEngine(spec, programs=programs, overlap=overlap)

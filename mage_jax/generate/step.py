@@ -68,11 +68,8 @@ class SamplingParams:
 
 TOP_K_CAP = 64
 """Top-k up to this many tokens draws from ``lax.top_k(logits, TOP_K_CAP)`` (about one pass over the
-vocabulary per row); a larger k, and top-p without top-k, sort the whole vocabulary per row and step, as
-the compile-time path did for top-p. Measured on this CPU (2 shared cores, load ~7) for 64 rows at Qwen's
-151,936 tokens, one ``choose_tokens`` (runtime settings; the compile-time path it replaced in brackets):
-greedy 163 ms (200), temperature 1 137 ms (165), top-k 20 + top-p 0.8 149 ms (192), top-p 0.8 alone
-(a sort) about 4 s. The log-softmax over the vocabulary, common to all, is most of the first three."""
+vocabulary per row); a larger k, and top-p without top-k, sort the whole vocabulary per row and step
+(their cost: docs/performance.md, "Fewer programs")."""
 
 # How a step draws (``Sampling.mode``), chosen on the host from ``SamplingParams``; a ``lax.switch`` in
 # the program runs only the chosen branch.
@@ -247,6 +244,16 @@ def token_step(logits: jax.Array, transitions: jax.Array | tuple[Bank, jax.Array
         auto = jnp.where(done, auto, jnp.take_along_axis(nxt, token[:, None], axis=1)[:, 0])
     eos = (token[:, None] == eos_ids[None, :]).any(axis=-1) & ~done
     return Drawn(token, logp, auto, eos)
+
+
+def count_token(drawn: Drawn, length: jax.Array, done: jax.Array, finished: jax.Array,
+                limit: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The per-row tail of every step after ``token_step`` (both programs, the first token and every
+    decoded one): a row that was not ``done`` counts its token in ``length``; it is done once it drew an
+    end of sequence or holds ``limit`` tokens, and ``finished`` when it drew the end of sequence.
+    Returns (length, done, finished)."""
+    length = length + (~done).astype(jnp.int32)
+    return length, done | drawn.eos | (length >= limit), finished | drawn.eos
 
 
 def prefill(model: Any, tokens: jax.Array, valid: jax.Array, cache: Any) -> tuple[jax.Array, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-from mage_jax.config import ConfigError
+from mage_jax.configtools import ConfigError
 
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 """``owner/name``, the shape of a Hub model id."""

@@ -40,7 +40,7 @@ class IndependentAttemptsRunner:
         if num_attempts < 1:
             raise ValueError(f"num_attempts must be >= 1, got {num_attempts}")
         self.base = base
-        self.config = dataclasses.replace(base.config, num_episodes=int(num_attempts))
+        self.config = base.config.with_episodes(int(num_attempts))
 
     @property
     def env_name(self) -> str:

@@ -64,8 +64,6 @@ from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 from mage_jax.envs.base import StepResult, TextEnv, make_env
 from mage_jax.envs.parsing import extract_reflection
 from mage_jax.envs.prompts import (
-    MEMORY_MODES,
-    STYLES,
     EpisodeRecord,
     Move,
     render_play_prompt,
@@ -73,6 +71,7 @@ from mage_jax.envs.prompts import (
 )
 from mage_jax.envs.workers import EnvOp, EnvPool, EnvReply, EnvWorkerError, InvalidStep, Reset, Restart, Step
 from mage_jax.generate.constraints import WordSequence
+from mage_jax.rollout.config import RolloutConfig, check_rollout
 from mage_jax.rollout.policy import Generation, GenerationRequest, Policy, PolicyStream
 from mage_jax.rollout.rows import Row
 from mage_jax.rollout.stopping import Interrupted
@@ -85,66 +84,42 @@ _EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
 
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
-    """How meta-episodes are played (docs/method.md §2 and §3).
+    """How meta-episodes are played (docs/method.md §2 and §3): the run's ``rollout`` section and what it
+    does not say.
 
-    ``num_episodes``: N. ``max_turns``: None uses the environment's own limit. ``constrained_actions``:
-    play rows are decoded under the constraint ``<action>X</action>`` for X in ``env.legal_actions()``.
-    ``privileged_reflection``: training reflect prompts show ``env.privileged_observation()`` (Kuhn's
-    both-cards quirk; never at evaluation). Play prompts list the legal actions when the environment's
-    ``show_admissible`` says so. ``max_response_tokens`` / ``max_reflection_tokens``: per-row
-    generation limits passed to the policy (None: its default). ``reflection_words`` /
-    ``reflection_max_words``: when words are given, reflect rows are constrained to
-    ``<remark>`` + 1..max of them + ``</remark>``.
+    From ``rollout``: ``num_episodes`` is the runner's N (an evaluation runner gets the section with
+    ``train.eval_num_episodes``); play rows are decoded under ``<action>X</action>`` for X in
+    ``env.legal_actions()`` when ``constrained_actions``; training reflect prompts show
+    ``env.privileged_observation()`` when ``privileged_reflection`` (Kuhn's both-cards quirk; never at
+    evaluation); ``max_response_tokens`` / ``reflection_tokens`` are the per-row generation limits passed
+    to the policy; with ``reflection_words`` reflect rows are constrained to ``<remark>`` + 1 to
+    ``reflection_max_words`` of them + ``</remark>``; prompts over ``max_prompt_tokens`` are shortened
+    (``max_turns`` None: the environment's own). Play prompts list the legal actions when the
+    environment's ``show_admissible`` says so.
+    ``anchor``: how rows are anchored for the step-level advantage (``algorithm.anchor``);
     ``keep_text``: rows keep their prompt and response text (debugging; costs memory).
     """
 
-    num_episodes: int = 3
-    memory_mode: str = "reflection_only"
-    reflect: bool = True
-    prompt_style: str = "full"
-    constrained_actions: bool = False
-    privileged_reflection: bool = False
+    rollout: RolloutConfig = RolloutConfig()
     anchor: str = "global"
-    max_prompt_tokens: int | None = None
-    max_turns: int | None = None
-    max_response_tokens: int | None = None
-    max_reflection_tokens: int | None = None
-    reflection_words: tuple[str, ...] = ()
-    reflection_max_words: int = 3
     keep_text: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_episodes, int) or self.num_episodes < 1:
-            raise ValueError(f"num_episodes must be a positive integer, got {self.num_episodes!r}")
-        if self.memory_mode not in MEMORY_MODES:
-            raise ValueError(f"memory_mode must be one of {MEMORY_MODES}, got {self.memory_mode!r}")
-        if self.prompt_style not in STYLES:
-            raise ValueError(f"prompt_style must be one of {STYLES}, got {self.prompt_style!r}")
+        check_rollout(self.rollout)
         if self.anchor not in ANCHOR_MODES:
             raise ValueError(f"anchor must be one of {ANCHOR_MODES}, got {self.anchor!r}")
-        if not self.reflect and self.memory_mode not in ("history_only", "none") and self.num_episodes > 1:
-            raise ValueError(
-                f"reflect=False writes no reflections, so memory_mode must be 'history_only' or 'none' "
-                f"(got {self.memory_mode!r})"
-            )
-        if self.reflect and self.memory_mode == "none" and self.num_episodes > 1:
-            raise ValueError("memory_mode 'none' shows no reflections, so reflect must be False")
-        if self.reflection_words:
-            if not self.reflect:
-                raise ValueError("reflection_words constrain reflections, so reflect must be True")
-            WordSequence(tuple(self.reflection_words), self.reflection_max_words)  # raises on a bad list
-        for name in ("max_response_tokens", "max_reflection_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if self.max_prompt_tokens is not None and (
-            not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1
-        ):
-            raise ValueError(
-                f"max_prompt_tokens must be a positive integer or None, got {self.max_prompt_tokens!r}"
-            )
-        if self.max_turns is not None and (not isinstance(self.max_turns, int) or self.max_turns < 1):
-            raise ValueError(f"max_turns must be a positive integer or None, got {self.max_turns!r}")
+
+    @property
+    def num_episodes(self) -> int:
+        """N, the episodes of each meta-episode (``rollout.num_episodes``)."""
+        return self.rollout.num_episodes
+
+    def with_episodes(self, num_episodes: int, *, privileged_reflection: bool | None = None) -> RunnerConfig:
+        """This configuration with ``num_episodes`` episodes (and ``privileged_reflection`` when given)."""
+        r = self.rollout
+        privileged = r.privileged_reflection if privileged_reflection is None else privileged_reflection
+        return dataclasses.replace(self, rollout=dataclasses.replace(
+            r, num_episodes=num_episodes, privileged_reflection=privileged))
 
 
 @dataclasses.dataclass
@@ -448,13 +423,13 @@ class MetaEpisodeRunner:
         (None: the prompt did not fit), and each environment operation (``envs.workers``) and receives its
         reply. Its prompts depend on its own history only, so any schedule that answers its calls in order
         plays it identically."""
-        cfg, t = self.config, s.task
+        r, t = self.config.rollout, s.task
         legal = self._wants_legal()
         s.env = yield Reset(t.seed, opponent=t.opponent, seat=t.seat, copy=t.copy, legal=legal)
         s.initial_observation = s.env.first_observation
         info = s.env.task_info or {}
         s.outcome.task_info = {"seed": t.seed, "opponent": t.opponent, "seat": t.seat, **info}
-        for episode in range(cfg.num_episodes):
+        for episode in range(r.num_episodes):
             if s.finished:
                 return
             if episode > 0:
@@ -463,7 +438,7 @@ class MetaEpisodeRunner:
             s.moves, s.episode_reward, s.last_result, s.done = [], 0.0, None, False
             yield from self._play_episode(s, episode, policy)
             record = self._end_episode(s)
-            if cfg.reflect and not s.outcome.won[-1] and episode < cfg.num_episodes - 1:
+            if r.reflect and not s.outcome.won[-1] and episode < r.num_episodes - 1:
                 reflection = yield from self._reflect(s, record, episode, policy)
                 record = dataclasses.replace(record, reflection=reflection)
                 s.outcome.reflections.append(reflection)
@@ -472,17 +447,17 @@ class MetaEpisodeRunner:
                 s.finished = True
 
     def _max_turns(self) -> int:
-        return self.config.max_turns or int(self._template.max_turns)
+        return self.config.rollout.max_turns or int(self._template.max_turns)
 
     def _shows_admissible(self) -> bool:
-        return bool(getattr(self._template, "show_admissible", False))
+        return self._template.show_admissible
 
     def _wants_legal(self) -> bool:
         """Whether play turns read the legal actions (constrained decoding or prompts that list them)."""
-        return self.config.constrained_actions or self._shows_admissible()
+        return self.config.rollout.constrained_actions or self._shows_admissible()
 
     def _play_episode(self, s: _MetaState, episode: int, policy: Policy) -> _Play:
-        cfg = self.config
+        r = self.config.rollout
         show = self._shows_admissible()
         for turn in range(self._max_turns()):
             if s.done:
@@ -496,17 +471,17 @@ class MetaEpisodeRunner:
                     memory,
                     episode,
                     s.moves,
-                    memory_mode=cfg.memory_mode,
+                    memory_mode=r.memory_mode,
                     admissible=admissible,
-                    style=cfg.prompt_style,
+                    style=r.prompt_style,
                 )
 
             prompt = self._fit_prompts([render], [s.memory], [self._template], policy)[0]
             allowed = (
-                tuple(f"<action>{a}</action>" for a in legal) if cfg.constrained_actions and legal else None
+                tuple(f"<action>{a}</action>" for a in legal) if r.constrained_actions and legal else None
             )
             anchor = play_anchor(s.env.observation, s.task.opponent)
-            gen = yield _Call((episode, 0, turn), prompt, allowed, cfg.max_response_tokens)
+            gen = yield _Call((episode, 0, turn), prompt, allowed, r.max_response_tokens)
             if gen is None:  # the prompt could not be made to fit
                 s.env = yield InvalidStep("prompt longer than max_prompt_tokens", legal=self._wants_legal())
             else:
@@ -543,19 +518,19 @@ class MetaEpisodeRunner:
 
     def _reflect(self, s: _MetaState, record: EpisodeRecord, episode: int, policy: Policy):
         """The reflection after ``episode`` (a coroutine step like ``_play_episode``); returns its text."""
-        cfg = self.config
+        r = self.config.rollout
         privileged = (
-            s.env.privileged_observation if (cfg.privileged_reflection and self._training) else None
+            s.env.privileged_observation if (r.privileged_reflection and self._training) else None
         )
 
         def render(memory: list[EpisodeRecord], spec) -> str:
-            return render_reflect_prompt(spec, s.initial_observation, record, episode, style=cfg.prompt_style,
+            return render_reflect_prompt(spec, s.initial_observation, record, episode, style=r.prompt_style,
                                          privileged=privileged)
 
         prompt = self._fit_prompts([render], [[]], [self._template], policy)[0]
-        words = (WordSequence(tuple(cfg.reflection_words), cfg.reflection_max_words) if cfg.reflection_words
+        words = (WordSequence(tuple(r.reflection_words), r.reflection_max_words) if r.reflection_words
                  else None)
-        gen = yield _Call((episode, 1, 0), prompt, words, cfg.max_reflection_tokens)
+        gen = yield _Call((episode, 1, 0), prompt, words, r.reflection_tokens)
         text, valid = extract_reflection(gen.text) if gen is not None else ("", False)
         if not valid:
             self._stats["missing_remark"] += 1
@@ -574,7 +549,7 @@ class MetaEpisodeRunner:
 
         Returns None for a prompt that cannot be made to fit ``max_prompt_tokens``.
         """
-        limit = self.config.max_prompt_tokens
+        limit = self.config.rollout.max_prompt_tokens
         prompts: list[str | None] = [r(list(m), e.prompt_spec) for r, m, e in zip(renderers, memories, envs)]
         if limit is None:
             return prompts

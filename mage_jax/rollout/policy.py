@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import jax
 import numpy as np
 
 from mage_jax import host_random
@@ -28,8 +29,11 @@ from mage_jax.generate.constraints import (
     automaton_from_completions,
     automaton_from_word_sequence,
 )
-from mage_jax.generate.engine import EngineRequest, EngineSession
-from mage_jax.tokenizer import PromptEncoder
+from mage_jax.generate.engine import EngineRequest, EngineSession, RolloutEngine
+from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.spec import ModelSpec
+from mage_jax.generate.step import SamplingParams
+from mage_jax.tokenizer import PromptEncoder, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,35 +232,30 @@ class ScriptedPolicy:
 
 
 class LLMPolicy:
-    """The real policy: tokenizer + jitted sampler + the current parameter state.
+    """The real policy: tokenizer + a generator + the current parameter state.
 
-    ``params_state`` is the model state the sampler reads (a policy is built per rollout, with the
-    parameters of that moment). ``rng`` is a JAX PRNG key split once per ``generate`` call. Prompts
-    longer than ``max_prompt_tokens`` are not sent to the model: they come back as an empty, truncated
-    response (an invalid turn), never an error. The runner normally shortens prompts before that happens.
-    Automata for constrained rows are built once per distinct set of allowed completions and cached.
-    With an ``engine`` (``generate.engine.RolloutEngine``) its stream is the engine's (continuous
-    batching); without one a ``BatchStream`` over ``generate`` (the lockstep sampler, one call per turn).
+    ``generator`` is the run's ``generate.engine.RolloutEngine`` (its stream is the engine's: continuous
+    batching) or its lockstep ``generate.sampler.Sampler`` (a ``BatchStream`` over ``generate``, one call
+    per turn); both carry the model's ``ModelSpec`` (vocabulary, end-of-sequence ids, prompt buckets).
+    ``params_state`` is the model state it reads (a policy is built per rollout, with the parameters of
+    that moment). ``rng`` is a JAX PRNG key split once per ``generate`` call or stream. Prompts longer than
+    ``max_prompt_tokens`` (or the largest prompt bucket) are not sent to the model: they come back as an
+    empty, truncated response (an invalid turn), never an error; the runner normally shortens prompts
+    before that happens. Automata for constrained rows are built once per distinct set of allowed
+    completions and cached (with an engine, across rollouts).
     """
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        sampler: Any,
-        params_state: Any,
-        sampling_params: Any,
-        rng: Any,
-        max_prompt_tokens: int | None = None,
-        engine: Any | None = None,
-    ):
+    def __init__(self, tokenizer: Tokenizer, generator: Sampler | RolloutEngine, params_state: Any,
+                 sampling_params: SamplingParams, rng: jax.Array, max_prompt_tokens: int | None = None):
         self.tokenizer = tokenizer
-        self.sampler = sampler
+        self.spec: ModelSpec = generator.spec
+        self.engine = generator if isinstance(generator, RolloutEngine) else None
+        self.sampler = generator if isinstance(generator, Sampler) else None
         self.params_state = params_state
         self.sampling_params = sampling_params
         self.rng = rng
         self.max_prompt_tokens = max_prompt_tokens
-        self.engine = engine
-        self._automata: dict[tuple[str, ...] | WordSequence, Any] = {}
+        self._automata: dict[tuple[str, ...] | WordSequence, TokenAutomaton] = {}
         self._prompt_cache: dict[str, list[int]] = {}
         self._prompt_encoder = PromptEncoder(tokenizer)  # tokenizes what a prompt adds to earlier ones
 
@@ -271,21 +270,21 @@ class LLMPolicy:
     def prompt_lengths(self, prompts: Sequence[str]) -> list[int]:
         return [len(ids) for ids in self._encode(prompts)]
 
-    def automaton(self, completions: tuple[str, ...] | WordSequence) -> Any:
-        """The sampler's automaton that accepts exactly ``completions`` (each followed by EOS).
+    def automaton(self, completions: tuple[str, ...] | WordSequence) -> TokenAutomaton:
+        """The automaton that accepts exactly ``completions`` (each followed by EOS).
 
         Completions are tokenized as raw response text (no template, no special tokens); every word of
         a ``WordSequence`` must be one token (the config and the tokenizer build check it).
         """
         if completions in self._automata:
             return self._automata[completions]
-        shared = getattr(self.engine, "automata", None)  # the engine's, kept across rollouts
-        key = (id(self.tokenizer), self.sampler.vocab_size, completions)
+        shared = self.engine.automata if self.engine is not None else None  # kept across rollouts
+        vocab, eos = self.spec.vocab_size, self.spec.eos_ids
+        key = (id(self.tokenizer), vocab, completions)
         found = shared.get(key) if shared is not None else None
         if found is not None:
             self._automata[completions] = found
         else:
-            vocab, eos = self.sampler.vocab_size, self.sampler.eos_ids
             if isinstance(completions, WordSequence):
                 word_ids = []
                 for word in completions.words:
@@ -304,11 +303,10 @@ class LLMPolicy:
                 shared.put(key, automaton)
         return self._automata[completions]
 
-    def _prompt_limit(self) -> int | None:
-        """The longest prompt the model may get: ``max_prompt_tokens`` and the sampler's largest bucket."""
-        limits = [self.max_prompt_tokens, max(getattr(self.sampler, "prompt_buckets", ()) or (0,)) or None]
-        limits = [x for x in limits if x]
-        return min(limits) if limits else None
+    def _prompt_limit(self) -> int:
+        """The longest prompt the model may get: ``max_prompt_tokens`` and the largest prompt bucket."""
+        largest = self.spec.prompt_buckets[-1]
+        return largest if self.max_prompt_tokens is None else min(self.max_prompt_tokens, largest)
 
     # -- generation ----------------------------------------------------------------------------
     def stream(self) -> PolicyStream:
@@ -318,31 +316,23 @@ class LLMPolicy:
         self.rng, key = host_random.split(self.rng)
         return EngineStream(self, self.engine.session(self.params_state, self.sampling_params, key))
 
-    def _fits(self, ids: Sequence[int], limit: int | None) -> bool:
-        return bool(ids) and (limit is None or len(ids) <= limit)
-
-    def _row_limit(self, request: GenerationRequest) -> int:
-        return int(request.max_new_tokens or self.sampling_params.max_new_tokens)
-
-    def prepare(self, request: GenerationRequest) -> Prepared | None:
-        """What one request asks of the model: its prompt ids, token limit and automaton; None when the
-        prompt cannot be fed to the model (the request is answered as skipped)."""
-        return self.prepare_all([request])[0]
-
     def prepare_all(self, requests: Sequence[GenerationRequest]) -> list[Prepared | None]:
-        """``prepare`` of every request, their prompts tokenized in one tokenizer call."""
+        """What each request asks of the model: its prompt ids (every prompt tokenized in one tokenizer
+        call), token limit and automaton; None where the prompt cannot be fed to the model (empty, or
+        over the prompt limit: the request is answered as skipped)."""
         every_ids = self._encode([r.prompt for r in requests])
         for r in requests:
             self._prompt_cache.pop(r.prompt, None)
         limit = self._prompt_limit()
         out: list[Prepared | None] = []
         for request, ids in zip(requests, every_ids):
-            if not self._fits(ids, limit):
+            if not ids or len(ids) > limit:
                 out.append(None)
                 continue
             allowed = request.allowed_completions
             automaton = self.automaton(allowed) if allowed else None
-            out.append(Prepared(np.asarray(ids, dtype=np.int32), self._row_limit(request), automaton))
+            limit_tokens = int(request.max_new_tokens or self.sampling_params.max_new_tokens)
+            out.append(Prepared(np.asarray(ids, dtype=np.int32), limit_tokens, automaton))
         return out
 
     def decode(self, responses: Sequence[np.ndarray]) -> list[str]:
@@ -350,44 +340,29 @@ class LLMPolicy:
         return self.tokenizer.decode_batch([list(map(int, t)) for t in responses])
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
-        if not requests:
-            return []
-        prompt_ids = self._encode([r.prompt for r in requests])
-        self._prompt_cache.clear()  # prompts change every turn; keep the cache to one call's worth
-        limit = self._prompt_limit()
-        fits = [i for i, ids in enumerate(prompt_ids) if self._fits(ids, limit)]
+        """Every request in one batched call of the lockstep sampler (the ``BatchStream`` of a policy
+        without an engine), in request order."""
+        if self.sampler is None:
+            raise TypeError("generate runs the lockstep sampler; a policy over the engine streams (stream())")
+        prepared = self.prepare_all(requests)
+        fits = [(i, p) for i, p in enumerate(prepared) if p is not None]
         # A prompt that cannot be fed to the model gets an empty response (an invalid turn), not an error.
-        results: list[Generation | None] = [_SKIPPED] * len(requests)
+        results: list[Generation] = [_SKIPPED] * len(requests)
         if fits:
-            constraints = [
-                self.automaton(requests[i].allowed_completions) if requests[i].allowed_completions else None
-                for i in fits
-            ]
-            any_constraint = any(c is not None for c in constraints)
-            limits = None
-            if any(requests[i].max_new_tokens is not None for i in fits):
-                limits = np.asarray([self._row_limit(requests[i]) for i in fits], dtype=np.int32)
+            rows = [p for _, p in fits]
             self.rng, key = host_random.split(self.rng)
             out = self.sampler.generate(
-                self.params_state,
-                [prompt_ids[i] for i in fits],
-                self.sampling_params,
-                key,
-                constraints=constraints if any_constraint else None,
-                max_new_tokens_per_row=limits,
+                self.params_state, [p.prompt_ids for p in rows], self.sampling_params, key,
+                constraints=[p.automaton for p in rows],
+                max_new_tokens_per_row=np.asarray([p.limit for p in rows], dtype=np.int32),
             )
-            texts = self.tokenizer.decode_batch([list(map(int, t)) for t in out.tokens])
-            for j, i in enumerate(fits):
-                tokens = np.asarray(out.tokens[j], dtype=np.int32)
+            for (i, p), tokens, logprobs, finished, text in zip(fits, out.tokens, out.logprobs, out.finished,
+                                                                 self.decode(out.tokens)):
                 results[i] = Generation(
-                    text=texts[j],
-                    prompt_ids=np.asarray(prompt_ids[i], dtype=np.int32),
-                    response_ids=tokens,
-                    logprobs=np.asarray(out.logprobs[j], dtype=np.float32),
-                    truncated=not bool(out.finished[j]),
-                    constraint=constraints[j],
-                )
-        return results  # type: ignore[return-value]
+                    text=text, prompt_ids=p.prompt_ids, response_ids=np.asarray(tokens, dtype=np.int32),
+                    logprobs=np.asarray(logprobs, dtype=np.float32), truncated=not bool(finished),
+                    constraint=p.automaton)
+        return results
 
 
 _SKIPPED = Generation(text="", prompt_ids=(), response_ids=(), logprobs=(), truncated=True, skipped=True)

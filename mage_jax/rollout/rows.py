@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from mage_jax.algorithms import RowBatch
+from mage_jax.algorithms.returns import RowBatch
 
 PHASES = ("play", "reflect")
 

@@ -19,13 +19,15 @@ import jax
 
 from mage_jax import config as C
 from mage_jax import host_random
-from mage_jax.algorithms import AdvantageConfig
+from mage_jax.algorithms.advantages import AdvantageConfig
 from mage_jax.algorithms.schedules import learning_rate_schedule
 from mage_jax.envs.base import make_env
 from mage_jax.envs.two_player import TwoPlayerGameEnv
 from mage_jax.envs.workers import default_workers
 from mage_jax.generate.engine import RolloutEngine
 from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.slots import compiled_engine
+from mage_jax.generate.spec import ModelSpec
 from mage_jax.generate.step import SamplingParams
 from mage_jax.logging import MetricsLogger
 from mage_jax.models import sharding as shd
@@ -40,6 +42,9 @@ from mage_jax.training.checkpoint import Checkpointer
 from mage_jax.training.train_step import StepConfig, TrainStep, make_optimizer, shared_train_step
 
 TOKENIZER_DIR = "tokenizer"
+ROLLOUT_STREAM, EVALUATION_STREAM = 0, 1
+"""Iteration i's key (the run's key folded with i) folded with these: the training rollout's sampling
+key and the evaluation's (``evaluation_key``)."""
 EVAL_MODES = ("meta", "independent")
 
 
@@ -107,24 +112,9 @@ def constraint_length(cfg: C.ExperimentConfig) -> int:
 
 def runner_config(cfg: C.ExperimentConfig, *, num_episodes: int, privileged_reflection: bool | None = None,
                   keep_text: bool = False) -> RunnerConfig:
-    r = cfg.rollout
-    return RunnerConfig(
-        num_episodes=num_episodes,
-        memory_mode=r.memory_mode,
-        reflect=r.reflect,
-        prompt_style=r.prompt_style,
-        constrained_actions=r.constrained_actions,
-        privileged_reflection=(r.privileged_reflection if privileged_reflection is None
-                               else privileged_reflection),
-        anchor=cfg.algorithm.anchor,
-        max_prompt_tokens=r.max_prompt_tokens,
-        max_turns=r.max_turns,
-        max_response_tokens=r.max_response_tokens,
-        max_reflection_tokens=r.reflection_tokens,
-        reflection_words=tuple(r.reflection_words),
-        reflection_max_words=r.reflection_max_words,
-        keep_text=keep_text,
-    )
+    """The runner of ``cfg``'s rollout section with ``num_episodes`` episodes per meta-episode."""
+    runner = RunnerConfig(cfg.rollout, anchor=cfg.algorithm.anchor, keep_text=keep_text)
+    return runner.with_episodes(num_episodes, privileged_reflection=privileged_reflection)
 
 
 def env_options(cfg: C.ExperimentConfig) -> dict[str, Any]:
@@ -348,14 +338,17 @@ def sampler_batch_buckets(cfg: C.ExperimentConfig, mesh: Any) -> tuple[int, ...]
         -(-largest // batch_axis) * batch_axis,)
 
 
-def make_sampler(cfg: C.ExperimentConfig, mesh: Any, model_config: ModelConfig, graphdef: Any,
-                 state_shardings: Any, *, eos_ids: Sequence[int], pad_id: int) -> Sampler:
-    """The rollout and evaluation sampler of ``cfg`` (prompt and row buckets, shardings of the mesh)."""
-    return Sampler(
-        graphdef, model_config, eos_ids=eos_ids, pad_id=pad_id,
-        prompt_buckets=length_buckets(cfg.rollout.max_prompt_tokens, cfg.rollout.length_buckets),
-        batch_buckets=sampler_batch_buckets(cfg, mesh), mesh=mesh, state_shardings=state_shardings,
-    )
+def make_spec(cfg: C.ExperimentConfig, mesh: Any, model_config: ModelConfig, graphdef: Any,
+              state_shardings: Any, *, eos_ids: Sequence[int], pad_id: int) -> ModelSpec:
+    """What the run's generation programs need of its model (prompt buckets, shardings of the mesh)."""
+    return ModelSpec(graphdef, model_config, eos_ids=tuple(eos_ids), pad_id=pad_id,
+                     prompt_buckets=length_buckets(cfg.rollout.max_prompt_tokens, cfg.rollout.length_buckets),
+                     mesh=mesh, state_shardings=state_shardings)
+
+
+def make_sampler(cfg: C.ExperimentConfig, spec: ModelSpec, mesh: Any) -> Sampler:
+    """The lockstep sampler of ``cfg`` (row buckets of the mesh)."""
+    return Sampler(spec, batch_buckets=sampler_batch_buckets(cfg, mesh))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,13 +364,15 @@ class RunParts:
     tokenizer: Tokenizer
     model_config: ModelConfig
     graphdef: Any
-    sampler: Sampler
+    spec: ModelSpec
     task_sampler: TaskSampler
     train_runner: MetaEpisodeRunner
     eval_runner: MetaEpisodeRunner | IndependentAttemptsRunner
     init_params: Any
     engine: RolloutEngine | None = None
     """The continuous-batching engine every policy of the run streams through; None: lockstep."""
+    sampler: Sampler | None = None
+    """The lockstep sampler (``rollout.engine=lockstep``); None with the engine."""
 
     def policy(self, params: Any, key: jax.Array, *, evaluation: bool) -> Policy:
         """The LLM policy of ``params`` with the training or the evaluation sampling settings."""
@@ -387,8 +382,10 @@ class RunParts:
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             max_new_tokens=r.max_new_tokens,
         )
-        return LLMPolicy(self.tokenizer, self.sampler, params, sampling, key,
-                         max_prompt_tokens=r.max_prompt_tokens, engine=self.engine)
+        generator = self.engine or self.sampler
+        assert generator is not None, "a run has the engine or the lockstep sampler"
+        return LLMPolicy(self.tokenizer, generator, params, sampling, key,
+                         max_prompt_tokens=r.max_prompt_tokens)
 
     def train_step(self) -> TrainStep:
         """The jitted train step of ``cfg.optim`` (AdamW + clipping on its learning-rate schedule)."""
@@ -404,6 +401,34 @@ class RunParts:
         return state.params, meta
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationParts:
+    """The model of a run and what generates with it: built by ``build_generation``."""
+
+    model_config: ModelConfig
+    graphdef: Any
+    params: Any
+    spec: ModelSpec
+    engine: RolloutEngine | None
+    """The rollout engine; None: ``rollout.engine=lockstep``."""
+    sampler: Sampler | None
+    """The lockstep sampler: built for ``rollout.engine=lockstep`` only (None with the engine)."""
+
+
+def build_generation(cfg: C.ExperimentConfig, tokenizer: Tokenizer, mesh: Any, *,
+                     lockstep: bool = False) -> GenerationParts:
+    """The model of ``cfg`` (random or a folder's weights, on ``mesh``), its spec and what generates with
+    it: the rollout engine, or with ``rollout.engine=lockstep`` the lockstep sampler (``lockstep``: that
+    sampler too, beside an engine: the engine-parity harness of ``mage_jax.testing``). The one place a
+    run's generation is built."""
+    model_config, graphdef, params = build_model(cfg, tokenizer, mesh)
+    spec = make_spec(cfg, mesh, model_config, graphdef, shd.param_shardings(params, mesh),
+                     eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
+    engine = make_engine(cfg, spec, mesh)
+    sampler = make_sampler(cfg, spec, mesh) if engine is None or lockstep else None
+    return GenerationParts(model_config, graphdef, params, spec, engine, sampler)
+
+
 def build_parts(cfg: C.ExperimentConfig, run_dir: str | None, *, eval_mode: str = "meta") -> RunParts:
     """Build every part of the run of ``cfg`` (the tokenizer is kept in, or read from, ``run_dir``)."""
     check_environment(cfg)
@@ -411,31 +436,30 @@ def build_parts(cfg: C.ExperimentConfig, run_dir: str | None, *, eval_mode: str 
     task_sampler = make_task_sampler(cfg)
     eval_runner = make_eval_runner(cfg, eval_mode)
     tokenizer = build_tokenizer(cfg, run_dir, task_sampler)
-    model_config, graphdef, params = build_model(cfg, tokenizer, mesh)
-    sampler = make_sampler(cfg, mesh, model_config, graphdef, shd.param_shardings(params, mesh),
-                           eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
+    gen = build_generation(cfg, tokenizer, mesh)
     return RunParts(
-        cfg=cfg, mesh=mesh, tokenizer=tokenizer, model_config=model_config, graphdef=graphdef,
-        sampler=sampler, task_sampler=task_sampler,
+        cfg=cfg, mesh=mesh, tokenizer=tokenizer, model_config=gen.model_config, graphdef=gen.graphdef,
+        spec=gen.spec, task_sampler=task_sampler,
         train_runner=make_runner(cfg, num_episodes=cfg.rollout.num_episodes), eval_runner=eval_runner,
-        init_params=params, engine=make_engine(cfg, sampler, mesh),
+        init_params=gen.params, engine=gen.engine, sampler=gen.sampler,
     )
 
 
-def make_engine(cfg: C.ExperimentConfig, sampler: Sampler, mesh: Any) -> RolloutEngine | None:
-    """The rollout engine of ``cfg`` (None for ``rollout.engine=lockstep``). Slots: ``rollout.engine_slots``,
-    or the sampler's largest row bucket (the largest rollout, capped at ``rollout.max_decode_rows``) and
-    at most 64; always a multiple of the mesh's batch ways so they shard with the rows."""
+def make_engine(cfg: C.ExperimentConfig, spec: ModelSpec, mesh: Any) -> RolloutEngine | None:
+    """The rollout engine of ``cfg`` over the compiled slot programs (None for ``rollout.engine=lockstep``).
+    Slots: ``rollout.engine_slots``, or the sampler's largest row bucket (the largest rollout, capped at
+    ``rollout.max_decode_rows``) and at most 64; always a multiple of the mesh's batch ways so they shard
+    with the rows."""
     r = cfg.rollout
     if r.engine == "lockstep":
         return None
     batch_axis = mesh.shape["data"] * mesh.shape["fsdp"]
     slots = r.engine_slots or min(sampler_batch_buckets(cfg, mesh)[-1], 64)
     slots = -(-slots // batch_axis) * batch_axis
-    return RolloutEngine(sampler, slots=slots, chunk=r.engine_chunk, window_levels=r.engine_windows,
-                         max_new_tokens=r.max_new_tokens)
+    return compiled_engine(spec, slots=slots, chunk=r.engine_chunk, window_levels=r.engine_windows,
+                           max_new_tokens=r.max_new_tokens)
 
 
 def evaluation_key(base_key: jax.Array, iteration: int) -> jax.Array:
     """The sampling key of the evaluation after ``iteration``: re-evaluating a checkpoint reproduces it."""
-    return host_random.fold_in(host_random.fold_in(base_key, iteration), 1)
+    return host_random.fold_in(host_random.fold_in(base_key, iteration), EVALUATION_STREAM)

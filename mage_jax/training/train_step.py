@@ -52,6 +52,8 @@ from mage_jax.models import sharding as shd
 from mage_jax.training.xla_options import train_step_compiler_options
 
 TOKEN_FIELDS = ("tokens", "positions", "token_mask", "targets", "response_mask")
+TOKEN_DTYPES = (jnp.int32, jnp.int32, jnp.bool_, jnp.int32, jnp.bool_)
+"""The dtype of each of ``TOKEN_FIELDS``."""
 
 
 @flax.struct.dataclass
@@ -107,6 +109,25 @@ class TrainBatch:
             transitions=packed.row_transitions(safe) if constrained else None,
         )
 
+    @classmethod
+    def abstract(cls, rows: int, length: int, *, update: bool, reference: bool = False,
+                 sharding: Any = None) -> TrainBatch:
+        """The shapes and dtypes of a batch of ``rows`` x ``length`` (``jax.ShapeDtypeStruct`` leaves, for
+        ahead-of-time lowering): with ``update`` the advantages and old log-probs ``update`` receives (and
+        the reference log-probs with ``reference``), else what ``compute_logprobs`` receives; no
+        constraint tables. ``sharding(shape)`` places each leaf (None: unplaced)."""
+        def leaf(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=None if sharding is None else sharding(shape))
+
+        fields = {name: leaf((rows, length), dtype) for name, dtype in zip(TOKEN_FIELDS, TOKEN_DTYPES)}
+        fields["prompt_lengths"] = leaf((rows,), jnp.int32)
+        if update:
+            fields["advantages"] = leaf((rows,), jnp.float32)
+            fields["old_logprobs"] = leaf((rows, length), jnp.float32)
+            if reference:
+                fields["ref_logprobs"] = leaf((rows, length), jnp.float32)
+        return cls(**fields)
+
     @property
     def length(self) -> int:
         return int(self.tokens.shape[1])
@@ -137,7 +158,9 @@ class StepConfig:
     response_len: int = 0
     """The most response tokens of any row (the generation bound): the head computes logits at these
     positions of each row only, not at its prompt positions, whose log-probs nothing uses. 0: every
-    position (the [R, T, V] head)."""
+    position (the [R, T, V] head). On one device only: over a mesh of several, the per-row gathers of
+    the span partitioned into a program whose devices deadlocked (8 CPU devices, one of them never
+    reaching an all-reduce: ``tests/training/test_multiprocess.py``), so there the whole-row head runs."""
     micro_batch_rows: int = 0
     """Rows per forward/backward pass inside one update (gradient accumulation); 0: the whole mini-batch."""
     adapters_only: bool = False
@@ -263,7 +286,7 @@ class TrainStep:
         hidden, _ = model(batch.tokens, batch.positions, batch.token_mask)
         span = self.config.response_len
         length = batch.targets.shape[1]
-        if span <= 0 or span >= length:
+        if span <= 0 or span >= length or self.mesh.size > 1:
             allowed = self._allowed(batch) if batch.transitions is not None else None
             return losses.token_logprobs_and_entropy(
                 hidden, model.head_weight(), batch.targets, chunk_size=self.config.chunk_size,

@@ -1,41 +1,24 @@
 """The MAGE training loop: collect -> credit -> recompute -> update epochs, with evaluation, checkpoint
 and logging cadences (docs/method.md §2).
 
-One iteration ``i`` (1-based):
-
-    TaskSampler.sample_train(i - 1) -> train runner (LLM policy with the current parameters)
-    -> pack_rows -> advantages (registry: gigpo / grpo / rloo with the configured reward design)
-    -> old log-probs (and reference log-probs when the KL term is on), recomputed by the training
-       model on the device one mini-batch at a time and copied into [rows, tokens] tables on the host
-    -> PPO epochs over mini-batches (``TrainBatch`` -> ``TrainStep.update``) -> metrics log
-
-The parts (``training.assemble.RunParts``), the evaluator (``evaluation.evaluator.Evaluator``), the
-metrics logger and the two checkpointers are collaborators given to the constructor; an iteration's
-record is ``evaluation.training_metrics.iteration_metrics``; the trainer calls the evaluator every
-``train.eval_every`` iterations and at the end, and returns the final evaluation. Building the
-collaborators and writing ``summary.json``, plots and tables is the caller's job (``training.run``).
+One iteration ``i`` (1-based) is four phases, each a method: ``_collect`` (the training rollout of the
+current parameters: ``TaskSampler.sample_train(i - 1)`` through the train runner), ``credit``
+(``training.credit``: the rows packed, one advantage per row), ``_recompute`` (old and, with
+the KL term, reference log-probs on the device one mini-batch at a time, kept in [rows, tokens] tables
+on the host) and ``_update_epochs`` (PPO epochs over mini-batches, ``TrainBatch`` ->
+``TrainStep.update``); then the metrics log. The parts (``training.assemble.RunParts``), the evaluator,
+the metrics logger and the two checkpointers are given to the constructor; building them and writing
+``summary.json``, plots and tables is the caller's (``training.run``).
 
 Reproducibility: every random choice of iteration i (tasks, sampling, mini-batch order) is a pure
 function of (seed, i), so a run resumed from the checkpoint of iteration k writes exactly the metrics
 an uninterrupted run writes (on CPU).
 
-Stopping. SIGTERM and SIGINT (Ctrl-C) ask the loop to stop; a second SIGINT exits at once. The request
-is honoured at the next safe point, and the run ends with status ``interrupted``:
-
-* between turns of the training rollout, between the mini-batches of the log-prob recompute and between
-  the PPO updates the iteration is abandoned: the last completed iteration's state is saved (unless
-  already on disk) and a resumed run replays the abandoned iteration exactly. The updates donate the
-  state they change, so the trainer keeps the state an iteration starts from: its first update runs
-  without donation and the starting state lives on beside the updated one until the iteration ends
-  (one more copy of parameters and optimizer state on the device, during the updates only). No copy
-  is kept when that state is on disk already (a checkpoint of the previous iteration, e.g.
-  ``checkpoint.every=1``), and none with ``checkpoint.stop_during_updates=false``, where a request
-  during the updates waits for them to end instead. (A host copy would spend a device-to-host
-  transfer of the whole state on every iteration to save that memory; the option is the cheaper
-  way out where device memory is short.)
-* between turns of an evaluation the evaluation is abandoned: the state after the iteration's updates
-  is saved at once, marked ``pending_evaluation``, and a resumed run evaluates it first (once: records
-  of the abandoned evaluation were never written).
+Stopping. SIGTERM and SIGINT (Ctrl-C) ask the loop to stop at the next safe point, at the edges of the
+phases: between turns of a rollout, mini-batches of the recompute or updates (the iteration is
+abandoned and the last completed one saved; the updates keep the state the iteration started from
+unless it is on disk) and turns of an evaluation (the updated state is saved, ``pending_evaluation``).
+What each phase saves and why: docs/preemption.md.
 
 Safety. Updates whose loss, gradients or new state are non-finite, or whose size exceeds
 ``optim.max_update_ratio`` times the parameters', are skipped inside the jitted step and counted
@@ -50,7 +33,7 @@ import dataclasses
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -58,9 +41,8 @@ import numpy as np
 
 from mage_jax import compile_report, host_random
 from mage_jax import config as C
-from mage_jax.algorithms import compute_advantages
 from mage_jax.algorithms.schedules import lr_decay
-from mage_jax.envs import env_class
+from mage_jax.envs.base import env_class
 from mage_jax.evaluation.evaluator import Evaluator, SplitResult
 from mage_jax.evaluation.report import log_evaluation
 from mage_jax.evaluation.samples import render_markdown, sample_rows
@@ -68,21 +50,15 @@ from mage_jax.evaluation.training_metrics import IterationTimings, iteration_met
 from mage_jax.logging import MetricsLogger
 from mage_jax.models.sharding import to_host
 from mage_jax.progress import NoBar, progress_bar
-from mage_jax.rollout.meta_episode import RolloutProgress
-from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices, pack_rows, pick_bucket
+from mage_jax.rollout.meta_episode import RolloutProgress, RolloutResult
+from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices
 from mage_jax.rollout.stopping import Interrupted
-from mage_jax.training.assemble import RunParts, advantage_config, evaluation_key, row_length_buckets
+from mage_jax.training.assemble import ROLLOUT_STREAM, RunParts, evaluation_key, row_length_buckets
 from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
+from mage_jax.training.credit import Credited, credit
+from mage_jax.training.health import TrainingStopped, all_invalid, check_rows, check_skips
 from mage_jax.training.signals import install_stop_signals
 from mage_jax.training.train_step import TrainBatch, all_finite, fill_micro_batches, gather_rows
-
-ADVANTAGE_ROWS = 512
-"""The smallest row count the advantage estimator runs at (padding rows are masked)."""
-
-
-class TrainingStopped(RuntimeError):
-    """The run cannot make progress (updates keep being skipped, or an iteration has no valid row); the
-    message is one line, and nothing after the last good checkpoint was saved."""
 
 
 @dataclasses.dataclass
@@ -128,7 +104,6 @@ class Trainer:
         self.use_reference = cfg.optim.kl_coef > 0
         self.ref_params = (jax.device_put(self.state.params, may_alias=False)
                            if self.use_reference and not self.step.config.adapters_only else None)
-        self.adv_cfg = advantage_config(cfg)
         self.length_buckets = row_length_buckets(cfg)
         self.base_key = host_random.key(cfg.train.seed)
         self.checkpointer = checkpointer
@@ -144,7 +119,7 @@ class Trainer:
         """``self.state`` was left mid-update by a stop request; the iteration's start is on disk."""
         if resume and self.checkpointer.latest_step() is not None:
             self.state, meta = self.checkpointer.restore(self.state)
-            self._check_same_run(meta)
+            C.check_resumed(meta, self.cfg, self.run_dir)
             self.start_iteration = int(meta["iteration"])
             self.base_key = key_from_json(meta["rng"])
             self.skipped_updates = int(meta.get("skipped_updates", 0))
@@ -165,108 +140,103 @@ class Trainer:
             reruns_evaluation = self.start_iteration >= cfg.train.iterations or self.pending_evaluation
             logger.rewind(self.start_iteration, keep_evaluations=not reruns_evaluation)
 
-    def _check_same_run(self, meta: dict[str, Any]) -> None:
-        """A resumed run goes on as the run its checkpoint was trained as: a ``config.json`` edited since
-        (outside ``config.RESUMABLE_KEYS``) would silently continue as another run, so it is one
-        ConfigError before anything is rewritten."""
-        if not meta.get("config"):
-            return
-        try:
-            changed = C.resume_changes(meta["config"], self.cfg)
-        except (C.ConfigError, TypeError, ValueError):  # a meta of another version: nothing to compare
-            return
-        if not changed:
-            return
-        key, before, after = changed[0]
-        more = f" (and {len(changed) - 1} more keys)" if len(changed) > 1 else ""
-        raise C.ConfigError(
-            f"{self.run_dir}/{C.CONFIG_FILE} says {key}={after!r}, but its checkpoint of iteration "
-            f"{meta.get('iteration')} was trained with {before!r}{more}: the config was edited after the run "
-            f"started; put {key} back to resume (a resumed run may change only "
-            f"{', '.join(k.rstrip('.') for k in C.RESUMABLE_KEYS)}), or start a new run with another "
-            "--run-dir")
-
-    # -- one iteration ---------------------------------------------------------------------------------
+    # -- one iteration: collect -> credit -> recompute log-probs -> update epochs -------------------------
     def train_iteration(self, iteration: int) -> dict[str, float]:
-        """Rollout + credit + PPO updates for training iteration ``iteration`` (1-based)."""
-        cfg, parts = self.cfg, self.parts
+        """Training iteration ``iteration`` (1-based), phase by phase; a stop request between turns of
+        the rollout, mini-batches of the recompute or updates abandons it (``Interrupted``)."""
         t0 = time.perf_counter()
         compiled_before = compile_report.counter().snapshot()
+        result = self._collect(iteration)
+        t_rollout = time.perf_counter() - t0
+        credited = credit(self.cfg, result.rows, length_buckets=self.length_buckets,
+                          pad_id=self.parts.tokenizer.pad_id)
+        t1 = time.perf_counter()
+        old, ref = self._recompute(credited)
+        step_metrics = self._update_epochs(iteration, credited, old, ref)
+        t_update = time.perf_counter() - t1
+        longest = self.consecutive_skips
+        for m in step_metrics:
+            self.consecutive_skips = self.consecutive_skips + 1 if m["skipped"] else 0
+            longest = max(longest, self.consecutive_skips)
+        timings = IterationTimings(rollout_seconds=t_rollout, update_seconds=t_update,
+                                   iteration_seconds=time.perf_counter() - t0)
+        compiled = compile_report.counter().snapshot() - compiled_before
+        out = iteration_metrics(result, step_metrics, num_episodes=self.cfg.rollout.num_episodes,
+                                advantages=credited.advantages[:credited.packed.num_rows],
+                                row_lengths=credited.row_lengths, consecutive_skips_max=longest,
+                                timings=timings, compiled=compiled,
+                                split_private=env_class(self.cfg.env.name).split_private)
+        self.skipped_updates += int(out["skipped"])
+        return out
+
+    def _collect(self, iteration: int) -> RolloutResult:
+        """The training rollout of ``iteration``: B·G tasks played by the policy of the current parameters
+        (its samples logged at ``logging.samples_every``); an iteration with no valid row stops the run."""
+        cfg, parts = self.cfg, self.parts
         tasks = parts.task_sampler.sample_train(iteration - 1)
         key = host_random.fold_in(self.base_key, iteration)
-        policy = parts.policy(self.state.params, host_random.fold_in(key, 0), evaluation=False)
+        policy = parts.policy(self.state.params, host_random.fold_in(key, ROLLOUT_STREAM), evaluation=False)
         result = parts.train_runner.run(tasks, policy, training=True, progress=self._rows_progress(iteration),
                                         stop=self._stop)
-        t_rollout = time.perf_counter() - t0
         every = cfg.logging.samples_every
         # An iteration that stops the run logs its samples first: they show what the model wrote.
-        if every > 0 and (iteration % every == 0 or self._all_invalid(result.rows)):
+        if every > 0 and (iteration % every == 0 or all_invalid(cfg, result.rows)):
             samples = sample_rows(result.rows, parts.tokenizer, cfg.logging.samples)
             self.logger.log_samples(iteration, samples, split="train", text=render_markdown(samples))
-        self._check_rows(iteration, result.rows)
+        check_rows(cfg, iteration, result.rows, last_checkpoint=self._last_checkpoint_note,
+                   samples_path=self.logger.samples_path if every > 0 and self.logger.writes else None)
+        return result
 
-        mb, buckets = cfg.optim.mini_batch_rows, self.length_buckets
-        packed = pack_rows(result.rows, row_bucket=mb, length_buckets=buckets, pad_id=parts.tokenizer.pad_id)
-        n = packed.num_rows
-        row_lengths = (packed.prompt_lengths + packed.response_lengths)[:n]
-        if n and int(packed.response_lengths[:n].max()) > cfg.rollout.max_new_tokens:  # the head span
-            raise ValueError("a response is longer than rollout.max_new_tokens")
-
-        def batch(idx: np.ndarray, advantages: np.ndarray | None = None) -> TrainBatch:
-            """Rows ``idx`` cut to the token length bucket the longest of them needs."""
-            real = idx[idx >= 0]
-            length = pick_bucket(max(int(row_lengths[real].max()) if len(real) else 1, 1), buckets)
-            return TrainBatch.from_packed(packed, idx, length=length, advantages=advantages,
-                                          constrained=packed.constraint_table is not None)
-
-        # One compile per power of two, at least ADVANTAGE_ROWS: the estimator's cost is negligible at
-        # that size, and a run whose row count wanders (the main job: 256 to 512) compiles it once.
-        rows_bucket = max(ADVANTAGE_ROWS, 1 << max(len(packed.mask) - 1, 0).bit_length())
-        advantages = np.asarray(compute_advantages(cfg.algorithm.estimator, packed.row_batch(rows_bucket),
-                                                   self.adv_cfg))[:len(packed.mask)]
-
-        # Old (and reference) log-probs of every real row, before any update of this iteration; they stay
-        # on the host (tens of GB at the paper's lengths) and each mini-batch takes its rows from them.
-        t1 = time.perf_counter()
-        # One epoch of one mini-batch: its update starts from the state the rows would be recomputed with,
-        # so it takes log pi_old from its own forward pass instead of a recompute (the same values).
-        single_update = cfg.optim.epochs == 1 and n <= mb
-        old = None if single_update else np.zeros(packed.tokens.shape, np.float32)
-        ref = np.zeros(packed.tokens.shape, np.float32) if self.use_reference else None
-        micro = cfg.optim.micro_batch_rows
-        for idx in minibatch_indices(n, mb, permutation=np.argsort(row_lengths, kind="stable")):
-            if self._stop.is_set():  # a safe point: the parameters are still the last iteration's
+    def _recompute(self, credited: Credited) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Old (and reference) log-probs of every real row, before any update of this iteration: computed
+        on the device one mini-batch at a time and kept on the host (tens of GB at the paper's lengths),
+        where each update's mini-batch takes its rows from them. One epoch of one mini-batch recomputes no
+        old log-probs (None): its update starts from the state they would come from and takes them from
+        its own forward pass. A stop request is honoured between mini-batches (the parameters are still
+        the last iteration's)."""
+        shape, lengths = credited.packed.tokens.shape, credited.row_lengths
+        mb, micro = self.cfg.optim.mini_batch_rows, self.cfg.optim.micro_batch_rows
+        single_update = self.cfg.optim.epochs == 1 and len(lengths) <= mb
+        old = None if single_update else np.zeros(shape, np.float32)
+        ref = np.zeros(shape, np.float32) if self.use_reference else None
+        for idx in minibatch_indices(len(lengths), mb, permutation=np.argsort(lengths, kind="stable")):
+            if self._stop.is_set():
                 raise Interrupted
             idx = fill_micro_batches(idx, micro)  # padding-only micro-batches are skipped
-            placed = self.step.place_batch(batch(idx))
+            placed = self.step.place_batch(credited.batch(idx, with_advantages=False))
             real = idx >= 0
             if old is not None:
                 old[idx[real], :placed.length] = to_host(
                     self.step.compute_logprobs(self.state.params, placed))[real]
             if ref is not None:
                 ref[idx[real], :placed.length] = to_host(self._reference_logprobs(placed))[real]
+        return old, ref
 
-        # PPO epochs over shuffled mini-batches, a safe point between any two: the state the iteration
-        # started from is kept (its first update does not donate it) unless it is on disk already.
+    def _update_epochs(self, iteration: int, credited: Credited, old: np.ndarray | None,
+                       ref: np.ndarray | None) -> list[dict[str, float]]:
+        """PPO epochs over shuffled mini-batches; the step metrics of every update. A stop request is
+        honoured between any two updates when the state the iteration started from survives them: kept
+        (its first update does not donate it) unless it is on disk already (docs/preemption.md)."""
+        cfg = self.cfg
         start_on_disk = iteration - 1 in self.checkpointer.all_steps()
         keep_start = cfg.checkpoint.stop_during_updates and not start_on_disk
         stoppable = keep_start or start_on_disk
-        start_state = self.state
-        in_flight = None
+        start_state, in_flight = self.state, None
         step_metrics: list[dict[str, Any]] = []
-        progress = (iteration - 1) / max(cfg.train.iterations - 1, 1)
-        lr_scale = lr_decay(cfg.optim.lr_decay, progress, cfg.optim.lr_end_fraction)
+        lr_scale = lr_decay(cfg.optim.lr_decay, (iteration - 1) / max(cfg.train.iterations - 1, 1),
+                            cfg.optim.lr_end_fraction)
+        lengths, mb = credited.row_lengths, cfg.optim.mini_batch_rows
         for epoch in range(cfg.optim.epochs):
             rng = np.random.default_rng([cfg.train.seed, iteration, epoch])
             if cfg.optim.group_by_length:
-                blocks = length_grouped_minibatches(row_lengths, mb, rng, buckets)
+                blocks = length_grouped_minibatches(lengths, mb, rng, self.length_buckets)
             else:
-                blocks = minibatch_indices(n, mb, permutation=rng.permutation(n))
+                blocks = minibatch_indices(len(lengths), mb, permutation=rng.permutation(len(lengths)))
             for idx in blocks:
                 if stoppable and self._stop.is_set():
                     self._abandon_updates(start_state if keep_start else None)
-                idx = fill_micro_batches(idx, micro)
-                rows = batch(idx, advantages)
+                idx = fill_micro_batches(idx, cfg.optim.micro_batch_rows)
+                rows = credited.batch(idx, with_advantages=True)
                 placed = self.step.place_batch(rows.replace(
                     old_logprobs=None if old is None else gather_rows(old, idx, rows.length),
                     ref_logprobs=None if ref is None else gather_rows(ref, idx, rows.length),
@@ -277,23 +247,7 @@ class Trainer:
                 if stoppable and in_flight is not None:  # one update in flight: a stop is seen within one
                     jax.block_until_ready(in_flight)
                 in_flight = metrics
-        start_state = None
-        step_metrics = [{k: float(v) for k, v in m.items()} for m in jax.device_get(step_metrics)]
-        t_update = time.perf_counter() - t1
-
-        longest = self.consecutive_skips
-        for m in step_metrics:
-            self.consecutive_skips = self.consecutive_skips + 1 if m["skipped"] else 0
-            longest = max(longest, self.consecutive_skips)
-        timings = IterationTimings(rollout_seconds=t_rollout, update_seconds=t_update,
-                                   iteration_seconds=time.perf_counter() - t0)
-        out = iteration_metrics(result, step_metrics, num_episodes=cfg.rollout.num_episodes,
-                                advantages=advantages[:n], row_lengths=row_lengths,
-                                consecutive_skips_max=longest, timings=timings,
-                                compiled=compile_report.counter().snapshot() - compiled_before,
-                                split_private=env_class(cfg.env.name).split_private)
-        self.skipped_updates += int(out["skipped"])
-        return out
+        return [{k: float(v) for k, v in m.items()} for m in jax.device_get(step_metrics)]
 
     def _reference_logprobs(self, batch: TrainBatch) -> jax.Array:
         """Log-probs of the KL reference: the initial model's copy, or the LoRA base (adapters off)."""
@@ -321,41 +275,6 @@ class Trainer:
                                       f"{progress.tokens:,} tokens generated")
 
         return report
-
-    def _check_rows(self, iteration: int, rows: Sequence[Any]) -> None:
-        """Stop when no row of the iteration is valid: every advantage would be the same penalty and
-        the run would train on nothing."""
-        if any(not np.isfinite(row.logprobs).all() for row in rows):
-            raise TrainingStopped(
-                f"sampling iteration {iteration} gave non-finite log-probabilities: the parameters diverged "
-                f"(lower optim.lr); {self._last_checkpoint_note()}")
-        if not self._all_invalid(rows):
-            return
-        truncated = sum(row.truncated for row in rows)
-        overflow = sum(row.overflow for row in rows)
-        r = self.cfg.rollout
-        hints = [] if r.constrained_actions else ["--rollout.constrained_actions true"]
-        hints.append(f"a longer --rollout.max_response_tokens (now {r.max_response_tokens})")
-        samples = (f"; what the model wrote is in {self.logger.samples_path}"
-                   if self.cfg.logging.samples_every > 0 and self.logger.writes else "")
-        raise TrainingStopped(
-            f"every one of the {len(rows)} rows of iteration {iteration} is invalid ({truncated} truncated "
-            f"at rollout.max_response_tokens={r.max_response_tokens}, {overflow} over "
-            f"rollout.max_prompt_tokens={r.max_prompt_tokens}, the rest unparsable): nothing to train on; "
-            f"try {' or '.join(hints)}{samples}; {self._last_checkpoint_note()}")
-
-    def _all_invalid(self, rows: Sequence[Any]) -> bool:
-        """The iteration has rows, none valid, and the run is set to stop on that."""
-        return bool(rows) and self.cfg.train.stop_when_all_invalid and not any(row.valid for row in rows)
-
-    def _check_skips(self, iteration: int, longest: int) -> None:
-        limit = self.cfg.optim.max_skipped_updates
-        if limit > 0 and longest >= limit:
-            raise TrainingStopped(
-                f"{longest} consecutive updates were skipped by iteration {iteration} (non-finite loss, "
-                f"gradients or parameters, or larger than optim.max_update_ratio="
-                f"{self.cfg.optim.max_update_ratio:g} times the parameters; optim.max_skipped_updates="
-                f"{limit}): lower optim.lr or check the inputs; {self._last_checkpoint_note()}")
 
     def _last_checkpoint_note(self) -> str:
         step = self.checkpointer.latest_step()
@@ -439,12 +358,9 @@ class Trainer:
 
     @property
     def stop_event(self) -> threading.Event:
-        """The stop request: set by SIGTERM / SIGINT (while ``run`` runs) or ``request_stop``."""
+        """The stop request, set by SIGTERM / SIGINT while ``run`` runs (``training.run`` keeps it
+        installed until the report is written)."""
         return self._stop
-
-    def request_stop(self) -> None:
-        """Stop at the next safe point, save a checkpoint and return (what SIGTERM and SIGINT do)."""
-        self._stop.set()
 
     # -- the loop ----------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -473,7 +389,8 @@ class Trainer:
                 iteration += 1
                 metrics["wall_seconds"] = time.perf_counter() - start_time
                 self.logger.log(iteration, metrics, split="train")
-                self._check_skips(iteration, int(metrics["consecutive_skips_max"]))
+                check_skips(cfg, iteration, int(metrics["consecutive_skips_max"]),
+                            last_checkpoint=self._last_checkpoint_note)
                 every = cfg.train.validate_every
                 validate = every > 0 and (iteration % every == 0 or iteration == total)
                 improved = validate and self._validate(iteration)

@@ -1,9 +1,7 @@
 """XLA compile options of the train step's programs: the one place they are chosen, per platform.
 
 On CPU this jaxlib sends dots (and some reductions) to YNNPACK library fusions by default. On the
-train step's own products XLA's Eigen dots are faster here: ``experiments.benchmarks.matmul
---alt-option xla_cpu_experimental_ynn_fusion_type=`` measured them at 0.86x YNNPACK's weighted time,
-and the whole step compiled both ways in one process ran 6-9% faster (``docs/performance.md``).
+train step's own products XLA's Eigen dots are faster here (measured in ``docs/performance.md``).
 The option only picks which kernels run; the result is the same float32 arithmetic up to summation
 order (``tests/training/test_xla_options.py`` checks the gradients against the default compile).
 Other platforms get no options.

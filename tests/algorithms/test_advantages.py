@@ -273,7 +273,7 @@ def test_an_empty_batch_gives_no_advantages():
 @pytest.mark.parametrize("estimator", ["gigpo", "grpo", "rloo"])
 def test_more_padding_rows_change_no_advantage_of_a_real_row(estimator):
     """The trainer pads the row batch to a power of two (one compile per size, not per rollout)."""
-    from mage_jax.algorithms import AdvantageConfig, compute_advantages
+    from mage_jax.algorithms.advantages import AdvantageConfig, compute_advantages
     from mage_jax.rollout.rows import pack_rows
     from tests.rollout.test_rows import sample_rows
 

@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from experiments.environments import environment
-from mage_jax.envs import make_env
+from mage_jax.envs.base import make_env
 from mage_jax.envs.kuhn_poker import (
     KUHN_PROMPT_SPEC,
     KuhnPokerEnv,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mage_jax.envs import make_env
+from mage_jax.envs.base import make_env
 from mage_jax.envs.minesweeper import Board, MineSweeperEnv, generate_board, render_board, reveal
 
 

@@ -11,14 +11,13 @@ import textwrap
 import numpy as np
 import pytest
 
-from mage_jax.envs.opponents import (
-    KUHN_TRAINING_POOL,
+from mage_jax.envs.opponents.cfr import CFR_POLICY_PATH, compute_cfr_policy
+from mage_jax.envs.opponents.kuhn import KUHN_TRAINING_POOL, make_kuhn_opponent
+from mage_jax.envs.opponents.tic_tac_toe import (
     PREFERRED_ORDERS,
     TIC_TAC_TOE_TRAINING_POOL,
-    make_kuhn_opponent,
     make_tic_tac_toe_opponent,
 )
-from mage_jax.envs.opponents.cfr import CFR_POLICY_PATH, compute_cfr_policy
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 from tests.optional import require
 
@@ -150,7 +149,7 @@ def test_environments_work_without_openspiel_and_mcts_names_the_install_extra():
         import sys
         sys.modules["pyspiel"] = None  # as if OpenSpiel were not installed
         sys.modules["open_spiel"] = None
-        from mage_jax.envs import make_env
+        from mage_jax.envs.base import make_env
         env = make_env("kuhn_poker", opponent="cfr", seat=1)
         env.reset(3)
         assert env.step("<action>BET</action>").done

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mage_jax.envs import make_env, registered_envs
+from mage_jax.envs.base import make_env, registered_envs
 from mage_jax.envs.parsing import (
     MAX_REFLECTION_CHARS,
     extract_action,

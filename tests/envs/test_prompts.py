@@ -177,7 +177,7 @@ GOLDEN_ENV_OPTIONS = {("kuhn_poker", "compact"): {"trial_hint": True},
 
 
 def _scenario(name: str, style: str = "full"):
-    from mage_jax.envs import make_env, registered_envs
+    from mage_jax.envs.base import make_env, registered_envs
 
     if name not in registered_envs():
         pytest.skip(f"{name} is not registered")

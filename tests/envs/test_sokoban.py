@@ -7,7 +7,7 @@ from collections import deque
 
 import pytest
 
-from mage_jax.envs import make_env
+from mage_jax.envs.base import make_env
 from mage_jax.envs.sokoban import (
     Room,
     SokobanEnv,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments.environments import environment
-from mage_jax.envs import make_env
+from mage_jax.envs.base import make_env
 from mage_jax.envs.opponents.tic_tac_toe import PREFERRED_ORDERS
 from mage_jax.envs.tic_tac_toe import (
     TIC_TAC_TOE_PROMPT_SPEC,
@@ -18,9 +18,10 @@ from mage_jax.envs.tic_tac_toe import (
     tic_tac_toe_board,
     tic_tac_toe_winner,
 )
-from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner
 from mage_jax.rollout.policy import ScriptedPolicy
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+from mage_jax.testing import runner_config
 from tests.optional import require
 
 DETERMINISTIC = (*PREFERRED_ORDERS,)
@@ -233,7 +234,7 @@ def test_the_copies_of_a_training_group_start_alike_and_then_meet_different_move
     tasks = sampler.sample_train(0)
     assert [t.copy for t in tasks] == list(range(8))
     assert all(t.copy == 0 for t in sampler.sample_eval(3))
-    runner = MetaEpisodeRunner("tic_tac_toe", config=RunnerConfig(num_episodes=1, reflect=False,
+    runner = MetaEpisodeRunner("tic_tac_toe", config=runner_config(num_episodes=1, reflect=False,
                                                                   constrained_actions=True))
     rows = runner.run(tasks, ScriptedPolicy(lambda prompt: ""), training=True).rows
     games: dict[int, list[str]] = {}

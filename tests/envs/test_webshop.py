@@ -7,13 +7,21 @@ import sys
 
 import pytest
 
-from mage_jax.envs import make_env
 from mage_jax.envs.admissible import fit_admissible, listed_chars
+from mage_jax.envs.base import make_env
 from mage_jax.envs.prompts import Move, render_play_prompt
-from mage_jax.envs.webshop import Catalogue, Goal, Product, WebShopEnv, purchase_score
-from mage_jax.envs.webshop.catalogue import GENERATED_PATH, load_generated, load_official, price_limit
+from mage_jax.envs.webshop.catalogue import (
+    GENERATED_PATH,
+    Catalogue,
+    Goal,
+    Product,
+    load_generated,
+    load_official,
+    price_limit,
+)
+from mage_jax.envs.webshop.env import WebShopEnv
 from mage_jax.envs.webshop.generate import catalogue_json, generate_catalogue
-from mage_jax.envs.webshop.reward import token_match, type_factor
+from mage_jax.envs.webshop.reward import purchase_score, token_match, type_factor
 from mage_jax.envs.webshop.search import SearchIndex, require_bm25s
 from tests.optional import require
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from mage_jax import config as C
-from mage_jax.envs.alfworld import write_tiny_alfred_game
 from mage_jax.envs.workers import (
     REPLY_TIMEOUT_S,
     SLOW_REPLY_TIMEOUT_S,
@@ -28,10 +27,11 @@ from mage_jax.envs.workers import (
     default_reply_timeout,
     default_workers,
 )
-from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner
 from mage_jax.rollout.policy import BatchStream, RandomLegalPolicy
 from mage_jax.rollout.stopping import Interrupted
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+from mage_jax.testing import runner_config, write_tiny_alfworld_data
 from mage_jax.training.assemble import make_runner
 from tests.envs import slow_envs  # noqa: F401  (registers slow_kuhn_poker)
 from tests.optional import require
@@ -93,9 +93,7 @@ def alfred_data(tmp_path_factory) -> Path:
     require("alfworld")
     require("textworld")
     root = tmp_path_factory.mktemp("alfworld_workers")
-    for trial in ("trial_T1", "trial_T2"):
-        write_tiny_alfred_game(root / "json_2.1.1" / "valid_unseen" /
-                               "pick_and_place_simple-Apple-None-Fridge-1" / trial)
+    write_tiny_alfworld_data(root, splits=("valid_unseen",), trials=2)
     return root
 
 
@@ -118,7 +116,8 @@ def test_meta_episodes_in_workers_equal_in_process_stepping(name, request):
     under the lockstep schedule and the continuous one (environments step while others decode)."""
     data = request.getfixturevalue("alfred_data") if name == "alfworld" else None
     [(_, options, tasks)] = [e for e in environments(data) if e[0] == name]
-    config = RunnerConfig(num_episodes=2, constrained_actions=True, memory_mode="history_only", reflect=False)
+    config = runner_config(num_episodes=2, constrained_actions=True, memory_mode="history_only",
+                           reflect=False)
     slow = name in ("webshop", "alfworld")  # seconds per rollout here: the continuous schedule only
     for policy in (Continuous,) if slow else (lambda: RandomLegalPolicy(3), Continuous):
         facts = []
@@ -157,7 +156,7 @@ class KillingPolicy(RandomLegalPolicy):
 
 
 def test_a_killed_worker_is_one_error_naming_the_environment_and_the_task():
-    runner = MetaEpisodeRunner("kuhn_poker", {}, RunnerConfig(num_episodes=2, constrained_actions=True),
+    runner = MetaEpisodeRunner("kuhn_poker", {}, runner_config(num_episodes=2, constrained_actions=True),
                                workers=1)
     started = time.perf_counter()
     with pytest.raises(EnvWorkerError) as err:
@@ -170,7 +169,7 @@ def test_a_killed_worker_is_one_error_naming_the_environment_and_the_task():
     again = runner.run(kuhn_tasks(), RandomLegalPolicy(1), training=True)
     runner.close()
     assert rollout_facts(again) == rollout_facts(MetaEpisodeRunner(
-        "kuhn_poker", {}, RunnerConfig(num_episodes=2, constrained_actions=True)).run(
+        "kuhn_poker", {}, runner_config(num_episodes=2, constrained_actions=True)).run(
         kuhn_tasks(), RandomLegalPolicy(1), training=True))
 
 
@@ -286,7 +285,7 @@ def test_a_stop_request_while_environments_step_is_interrupted_and_the_runner_pl
     """The stop event is honoured while the runner waits for workers; the next rollout is unaffected
     (replies of the stopped one are dropped)."""
     stop = threading.Event()
-    runner = MetaEpisodeRunner("kuhn_poker", {}, RunnerConfig(num_episodes=2, constrained_actions=True),
+    runner = MetaEpisodeRunner("kuhn_poker", {}, runner_config(num_episodes=2, constrained_actions=True),
                                workers=2)
 
     class Stopper(RandomLegalPolicy):
@@ -303,7 +302,7 @@ def test_a_stop_request_while_environments_step_is_interrupted_and_the_runner_pl
         again = runner.run(kuhn_tasks(), RandomLegalPolicy(1), training=True, stop=threading.Event())
     finally:
         runner.close()
-    reference = MetaEpisodeRunner("kuhn_poker", {}, RunnerConfig(num_episodes=2, constrained_actions=True))
+    reference = MetaEpisodeRunner("kuhn_poker", {}, runner_config(num_episodes=2, constrained_actions=True))
     assert rollout_facts(again) == rollout_facts(reference.run(kuhn_tasks(), RandomLegalPolicy(1),
                                                                training=True))
 
@@ -312,7 +311,7 @@ def test_a_worker_killed_by_the_signal_that_stopped_the_run_is_the_stop_not_an_e
     """A SIGTERM sent to every process of the job (a scheduler's preemption) can end a worker too: after
     a stop request that is the stop (``Interrupted``), not an ``EnvWorkerError``."""
     stop = threading.Event()
-    runner = MetaEpisodeRunner("kuhn_poker", {}, RunnerConfig(num_episodes=2, constrained_actions=True),
+    runner = MetaEpisodeRunner("kuhn_poker", {}, runner_config(num_episodes=2, constrained_actions=True),
                                workers=1)
     try:
         with pytest.raises(Interrupted):
@@ -399,15 +398,16 @@ def test_ctrl_c_or_sigterm_to_the_process_group_stops_the_rollout_and_leaves_no_
     point, the process exits normally, and its workers are gone."""
     script = textwrap.dedent(f"""
         import os, signal, threading
-        from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+        from mage_jax.rollout.meta_episode import MetaEpisodeRunner
         from mage_jax.rollout.policy import RandomLegalPolicy
         from mage_jax.rollout.stopping import Interrupted
+        from mage_jax.testing import runner_config
         from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
         from mage_jax.training.signals import install_stop_signals
 
         stop = threading.Event()
         install_stop_signals(stop)
-        runner = MetaEpisodeRunner("sokoban", {{}}, RunnerConfig(num_episodes=3, constrained_actions=True),
+        runner = MetaEpisodeRunner("sokoban", {{}}, runner_config(num_episodes=3, constrained_actions=True),
                                    workers=2)
 
         class Signalling(RandomLegalPolicy):

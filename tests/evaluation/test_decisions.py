@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from mage_jax.envs import env_class
+from mage_jax.envs.base import env_class
 from mage_jax.evaluation.decisions import DecisionStats, decision_stats, total_variation
 from mage_jax.rollout.rows import Row
 

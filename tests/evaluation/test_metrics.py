@@ -7,6 +7,7 @@ import pytest
 
 from mage_jax.evaluation.metrics import compute_metrics, flatten_metrics, meta_episode_curves
 from mage_jax.rollout.meta_episode import MetaEpisodeOutcome
+from mage_jax.testing import runner_config
 
 
 def outcome(i, rewards, won, draw=None, opponent="a", seat=0, payoff=None, score=None, **kw):
@@ -119,19 +120,15 @@ def test_the_payoff_gain_is_paired_over_meta_episodes():
 
 
 def test_metrics_from_a_rollout_include_response_lengths():
-    from mage_jax.rollout import (
-        MetaEpisodeRunner,
-        RunnerConfig,
-        ScriptedPolicy,
-        TaskSampler,
-        TaskSamplerConfig,
-    )
+    from mage_jax.rollout.meta_episode import MetaEpisodeRunner
+    from mage_jax.rollout.policy import ScriptedPolicy
+    from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
 
     tasks = TaskSampler(
         TaskSamplerConfig(num_tasks=2, group_size=1, opponents={"aggressive": 1})
     ).sample_eval(4)
     policy = ScriptedPolicy(lambda p: "<remark>x</remark>" if "<remark>" in p else "<action>BET</action>")
-    result = MetaEpisodeRunner("kuhn_poker", {}, RunnerConfig(num_episodes=3)).run(
+    result = MetaEpisodeRunner("kuhn_poker", {}, runner_config(num_episodes=3)).run(
         tasks, policy, training=False
     )
     m = compute_metrics(result, num_episodes=3)

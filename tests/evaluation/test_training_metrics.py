@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mage_jax.compile_report import CompileReport
-from mage_jax.envs import env_class
+from mage_jax.envs.base import env_class
 from mage_jax.evaluation.training_metrics import IterationTimings, iteration_metrics, step_summary
 from mage_jax.rollout.meta_episode import RolloutResult
 from mage_jax.rollout.rows import Row

@@ -1,50 +1,19 @@
-"""Fixtures of the experiment tests: a compilation cache shared by the end-to-end runs, the smallest
-run settings, and a tiny random Hugging Face Qwen3 model + tokenizer folder built locally."""
+"""Fixtures of the experiment tests: a compilation cache shared by the end-to-end runs, the smoke run
+settings (``mage_jax.testing.SMOKE``), and a tiny random Hugging Face Qwen3 model + tokenizer folder
+built locally."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
 import pytest
 
+from mage_jax import testing
 from mage_jax.logging import read_jsonl
+from mage_jax.testing import SMALLEST_DECODER, build_bpe_tokenizer, random_causal_lm
 from mage_jax.training import trainer as trainer_module
-from tests.tiny_models import SMALLEST_DECODER, build_bpe_tokenizer, build_random_causal_lm
-
-SMOKE_MODEL = {**SMALLEST_DECODER, "max_position_embeddings": 2048}
-
-SMOKE = {
-    "model.overrides": SMOKE_MODEL,
-    "rollout.num_tasks": 2,
-    "rollout.group_size": 2,
-    "rollout.num_episodes": 2,
-    "train.eval_num_episodes": 2,
-    "train.iterations": 1,
-    "train.eval_every": 0,
-    "train.eval_meta_episodes": 4,
-    "train.eval_heldout_meta_episodes": 4,
-    "train.validation_meta_episodes": 4,
-    "tokenizer.corpus_meta_episodes": 8,
-    "logging.progress": False,
-    "logging.plots": False,
-    "checkpoint.every": 0,
-}
-"""The quickstart notebook's MAGE_SMOKE sizes: end-to-end runs share compiled programs through the cache."""
-
-
-def _smoke_args(overrides: dict | None = None) -> list[str]:
-    """``--set KEY=VALUE`` arguments for a command line (JSON for dicts and lists)."""
-    args = []
-    for key, value in {**SMOKE, **(overrides or {})}.items():
-        if isinstance(value, (dict, list)):
-            text = json.dumps(value)
-        else:
-            text = str(value).lower() if isinstance(value, bool) else str(value)
-        args += ["--set", f"{key}={text}"]
-    return args
-
+from tests.optional import require
 
 TIMING = {"time", "wall_seconds", "rollout_seconds", "update_seconds", "iteration_seconds", "rows_per_second",
           "compile/programs", "compile/seconds", "compile/cache_hits"}
@@ -74,7 +43,7 @@ def sigterm_after_iteration(monkeypatch, iteration: int) -> None:
 @pytest.fixture
 def smoke_args():
     """Function: the smoke settings as command-line arguments (plus optional extra overrides)."""
-    return _smoke_args
+    return testing.smoke_args
 
 
 @pytest.fixture(scope="session")
@@ -150,7 +119,8 @@ def build_hf_model_folder(path) -> str:
     config = ModelConfig.preset("tiny", vocab_size=vocab_size, **SMALLEST_DECODER,
                                 max_position_embeddings=40960)
     hf_config = {**config.to_hf_config(), "eos_token_id": eos[0], "pad_token_id": eos[1]}
-    build_random_causal_lm(hf_config, path)
+    require("torch")
+    random_causal_lm(hf_config, path)
     return str(path)
 
 

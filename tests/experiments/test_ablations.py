@@ -13,7 +13,7 @@ from experiments.environments import environment
 from experiments.presets import EnvExperiment
 from experiments.suite import variant_config
 from mage_jax.envs.workers import EnvWorkerError
-from mage_jax.training.trainer import TrainingStopped
+from mage_jax.training.health import TrainingStopped
 
 VARIANTS = {
     "reward_design": ("differential", "cumulative", "single_episode"),

@@ -19,6 +19,7 @@ from experiments import evaluate, export, kuhn_poker
 from mage_jax import config as C
 from mage_jax.models import lora
 from mage_jax.models.adapter_file import FORMAT, apply_adapters, read_adapters
+from mage_jax.testing import smoke_args
 from mage_jax.training.assemble import build_parts, checkpoint_dir
 
 ADAPTER = "kuhn_lora_adapter.safetensors"
@@ -30,11 +31,9 @@ def _summary(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def lora_run(tiny_hf_model, tmp_path_factory, compilation_cache) -> Path:
-    from tests.experiments.conftest import _smoke_args
-
     run_dir = tmp_path_factory.mktemp("lora") / "run"
     argv = ["--preset", "small-cpu", "--model-path", tiny_hf_model, "--run-dir", str(run_dir),
-            *_smoke_args({"model.overrides": {"max_position_embeddings": 40960}, "rollout.engine_slots": 4,
+            *smoke_args({"model.overrides": {"max_position_embeddings": 40960}, "rollout.engine_slots": 4,
                           "train.eval_heldout_meta_episodes": 0, "optim.lr": 1e-2})]
     assert kuhn_poker.main(argv) == 0
     return run_dir

@@ -28,10 +28,10 @@ def trained_run(tmp_path_factory, request):
     best validated state is iteration 1 and latest checkpoint iteration 2: only iteration 1 is
     validated, so the two states differ whatever the tiny validation split measures."""
     request.getfixturevalue("compilation_cache")
-    from tests.experiments.conftest import _smoke_args
+    from mage_jax.testing import smoke_args
 
     run_dir = tmp_path_factory.mktemp("export") / "run"
-    args = _smoke_args({"checkpoint.every": 1, "train.iterations": LATEST, "train.validate_every": 1})
+    args = smoke_args({"checkpoint.every": 1, "train.iterations": LATEST, "train.validate_every": 1})
     original = trainer_module.Trainer._validate
 
     def validate_first_only(self, iteration):

@@ -18,6 +18,7 @@ import pytest
 from experiments import kuhn_poker
 from experiments.common import EXIT_ENVIRONMENT_FAILED, EXIT_INTERRUPTED
 from mage_jax import config as C
+from mage_jax import testing
 from mage_jax.envs.workers import EnvPool
 from mage_jax.evaluation import plots
 from mage_jax.training import signals
@@ -35,10 +36,8 @@ def reference_run(tmp_path_factory, request):
     """A one-iteration smoke run in process (env.workers=0) whose plots were interrupted by SIGTERM: the
     drawing loops until a stop request abandons it."""
     request.getfixturevalue("compilation_cache")
-    from tests.experiments.conftest import _smoke_args
-
     run_dir = tmp_path_factory.mktemp("failures") / "run"
-    args = _smoke_args({"logging.plots": True, "env.workers": 0})
+    args = testing.smoke_args({"logging.plots": True, "env.workers": 0})
     patch = pytest.MonkeyPatch()
     seen: dict[str, float] = {}
 
@@ -192,8 +191,6 @@ def test_ctrl_c_while_the_run_is_built_is_one_line_exit_130_and_leaves_nothing(t
 
 def _a_run_folder(tmp_path):
     """A folder with the config.json of a smoke run (all ``evaluate --checkpoint`` reads before building)."""
-    from tests.experiments.conftest import SMOKE
-
     folder = tmp_path / "trained"
-    C.save(kuhn_poker.SPEC.config("tiny", SMOKE), str(folder))
+    C.save(kuhn_poker.SPEC.config("tiny", testing.SMOKE), str(folder))
     return folder

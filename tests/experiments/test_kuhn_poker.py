@@ -31,10 +31,10 @@ RUN = {"train.iterations": 3, "checkpoint.every": 1, "checkpoint.keep": 2}
 def finished_run(tmp_path_factory, request):
     """One uninterrupted 3-iteration smoke run of the main job (plots on)."""
     request.getfixturevalue("compilation_cache")
-    from tests.experiments.conftest import _smoke_args
+    from mage_jax.testing import smoke_args
 
     run_dir = tmp_path_factory.mktemp("kuhn") / "run"
-    args = _smoke_args({**RUN, "logging.plots": True})
+    args = smoke_args({**RUN, "logging.plots": True})
     jax.clear_caches()  # the compile report counts this run's programs, not what earlier tests left in memory
     code = kuhn_poker.main([*args, "--run-dir", str(run_dir)])
     return code, run_dir, args

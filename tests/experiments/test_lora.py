@@ -32,10 +32,10 @@ def lora_run(tmp_path_factory, request):
     """One iteration of the ``small`` preset with rank-4 adapters, then a resume for a second one."""
     request.getfixturevalue("compilation_cache")
     model_path = request.getfixturevalue("tiny_hf_model")
-    from tests.experiments.conftest import _smoke_args
+    from mage_jax.testing import smoke_args
 
     run_dir = tmp_path_factory.mktemp("lora") / "run"
-    argv = [*_smoke_args(SHORT), "--preset", "small", "--model-path", model_path, "--model.lora_rank", "4",
+    argv = [*smoke_args(SHORT), "--preset", "small", "--model-path", model_path, "--model.lora_rank", "4",
             "--run-dir", str(run_dir)]
     assert kuhn_poker.main(argv) == 0
     assert kuhn_poker.main(["--run-dir", str(run_dir), "--resume", "--set", "train.iterations=2"]) == 0

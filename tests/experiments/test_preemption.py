@@ -28,10 +28,10 @@ RUN = {"train.iterations": 3, "train.eval_every": 2, "checkpoint.every": 0, "opt
 def reference(tmp_path_factory, request):
     """One uninterrupted run of ``RUN``: (run directory, its command-line arguments)."""
     request.getfixturevalue("compilation_cache")
-    from tests.experiments.conftest import _smoke_args
+    from mage_jax.testing import smoke_args
 
     run_dir = tmp_path_factory.mktemp("preemption") / "run"
-    args = _smoke_args(RUN)
+    args = smoke_args(RUN)
     assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == 0
     records = read_jsonl(str(run_dir))
     splits = [(r["iteration"], r["split"]) for r in records]

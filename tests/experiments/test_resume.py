@@ -28,10 +28,10 @@ def samples(run_dir) -> list[dict]:
 def finished(tmp_path_factory, request):
     """A finished 2-iteration smoke run with a checkpoint per iteration."""
     request.getfixturevalue("compilation_cache")
-    from tests.experiments.conftest import _smoke_args
+    from mage_jax.testing import smoke_args
 
     run_dir = tmp_path_factory.mktemp("resume") / "run"
-    args = _smoke_args({"train.iterations": 2, "checkpoint.every": 1, "checkpoint.keep": 2,
+    args = smoke_args({"train.iterations": 2, "checkpoint.every": 1, "checkpoint.keep": 2,
                         "logging.samples_every": 1})
     assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == 0
     return run_dir

@@ -21,10 +21,10 @@ RUN = {"train.iterations": 3, "train.validate_every": 1, "train.validation_meta_
 @pytest.fixture(scope="module")
 def validated_run(tmp_path_factory, request):
     request.getfixturevalue("compilation_cache")
-    from tests.experiments.conftest import _smoke_args
+    from mage_jax.testing import smoke_args
 
     run_dir = tmp_path_factory.mktemp("validated") / "run"
-    args = _smoke_args(RUN)
+    args = smoke_args(RUN)
     assert kuhn_poker.main([*args, "--run-dir", str(run_dir)]) == 0
     return run_dir, args
 

@@ -5,8 +5,10 @@ environment; identical prompts are prefilled once; nothing recompiles once warm.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import inspect
 import json
 import subprocess
 import sys
@@ -22,141 +24,96 @@ from flax import nnx
 from experiments.environments import ENVIRONMENTS, environment
 from mage_jax import compile_report
 from mage_jax import config as C
-from mage_jax.envs.alfworld import write_tiny_alfred_game
 from mage_jax.generate import engine as engine_module
 from mage_jax.generate.constraints import automaton_from_completions, automaton_from_word_sequence
-from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
+from mage_jax.generate.engine import EngineRequest, generate_all
 from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.slots import compiled_engine
+from mage_jax.generate.spec import ModelSpec, SlotPrograms, SlotState
 from mage_jax.generate.step import SamplingParams
 from mage_jax.models.config import ModelConfig
-from mage_jax.models.sharding import param_shardings
 from mage_jax.models.transformer import Transformer
-from mage_jax.rollout.policy import LLMPolicy
-from mage_jax.tokenizer import Tokenizer
-from mage_jax.training.assemble import (
-    build_model,
-    make_engine,
-    make_mesh,
-    make_runner,
-    make_sampler,
-    make_task_sampler,
-    tokenizer_corpus,
+from mage_jax.testing import (
+    PARITY_OVERRIDES,
+    ParityModel,
+    greedy_rollouts,
+    parity_model,
+    rollout_differences,
+    write_tiny_alfworld_data,
 )
+from mage_jax.training.assemble import make_engine
+from tests.generate.conftest import EOS, PAD, VOCAB, spec_of
 from tests.optional import available, require
-from tests.tiny_models import SMALLEST_DECODER
 from tests.xla_env import fake_devices_env
 
-TIMING = {"rollout_seconds"}
 ENGINE_ENVS = sorted(env for env in ENVIRONMENTS if env != "alfworld" or available("textworld"))
 """Every environment; ALFWorld where its TextWorld engine is installed."""
 
 
-@pytest.fixture(scope="module")
-def alfworld_data(tmp_path_factory):
-    """One tiny ALFWorld PDDL game in every split (the real TextWorld engine plays it); None without it."""
-    if "alfworld" not in ENGINE_ENVS:
-        return None
-    root = tmp_path_factory.mktemp("alfworld")
-    for split in ("train", "valid_seen", "valid_unseen"):
-        game = root / "json_2.1.1" / split / "pick_and_place_simple-Apple-None-Fridge-1" / "trial_T1"
-        write_tiny_alfred_game(game)
-    return str(root)
-
-
 def tiny_config(env: str, data_dir: str | None = None, **rollout):
-    overrides = {
-        **({"env.data_dir": data_dir} if data_dir else {}),
-        "rollout.num_tasks": 2, "rollout.group_size": 2, "rollout.num_episodes": 2, "rollout.max_turns": 3,
-        "rollout.max_response_tokens": 12, "rollout.max_reflection_tokens": 6, "rollout.reflect": True,
-        "rollout.memory_mode": "history_and_reflection",
-        "model.overrides": SMALLEST_DECODER, "tokenizer.corpus_meta_episodes": 4,
-        "train.eval_meta_episodes": 4,
-        "train.eval_heldout_meta_episodes": 4, "rollout.engine_slots": 3, "rollout.engine_chunk": 2,
-        **{f"rollout.{k}": v for k, v in rollout.items()},
-    }
+    """``env``'s ``tiny`` preset with the engine-parity overrides (``mage_jax.testing.PARITY_OVERRIDES``)."""
+    overrides = {**PARITY_OVERRIDES, **({"env.data_dir": data_dir} if data_dir else {}),
+                 **{f"rollout.{k}": v for k, v in rollout.items()}}
     return environment(env).config("tiny", overrides)
 
 
-@dataclasses.dataclass(frozen=True)
-class SharedModel:
-    """One tokenizer, model, lockstep sampler and engine for every environment: their programs compile
-    once for all of them (compiling dominates these tests on a CPU)."""
-
-    cfgs: dict
-    tokenizer: Any
-    sampler: Sampler
-    params: Any
-    engine: RolloutEngine
-
-
 @pytest.fixture(scope="module")
-def shared_model(alfworld_data) -> SharedModel:
-    cfgs = {env: tiny_config(env, alfworld_data if env == "alfworld" else None)
-            for env in ENGINE_ENVS}
-    corpus = [text for cfg in cfgs.values() for text in tokenizer_corpus(cfg, make_task_sampler(cfg))]
-    tokenizer = Tokenizer.word_level(corpus)
-    # One prompt bucket, as long as the longest prompt limit of any environment (one prefill program).
-    longest = max(cfg.rollout.max_prompt_tokens for cfg in cfgs.values())
-    base = cfgs["kuhn_poker"]
-    base = dataclasses.replace(base, rollout=dataclasses.replace(
-        base.rollout, max_prompt_tokens=longest, length_buckets=(longest,)))
-    mesh = make_mesh(base)
-    model_config, graphdef, params = build_model(base, tokenizer, mesh)
-    sampler = make_sampler(base, mesh, model_config, graphdef, param_shardings(params, mesh),
-                           eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id)
-    engine = make_engine(base, sampler, mesh)
-    assert engine is not None  # the engine is the default
-    return SharedModel(cfgs, tokenizer, sampler, params, engine)
-
-
-def assert_same_rollout(a, b):
-    assert len(a.rows) == len(b.rows) > 0
-    for ra, rb in zip(a.rows, b.rows):
-        for field in dataclasses.fields(ra):
-            va, vb = getattr(ra, field.name), getattr(rb, field.name)
-            if field.name == "logprobs":
-                np.testing.assert_allclose(va, vb, atol=1e-5)
-            elif isinstance(va, np.ndarray):
-                np.testing.assert_array_equal(va, vb)
-            elif field.name != "constraint":
-                assert va == vb, field.name
-    assert [o.to_dict() for o in a.outcomes] == [o.to_dict() for o in b.outcomes]
-    stats_a = {k: v for k, v in a.stats.items() if k not in TIMING}
-    stats_b = {k: v for k, v in b.stats.items() if k not in TIMING}
-    assert stats_a == stats_b
+def parity(tmp_path_factory) -> ParityModel:
+    """One tokenizer, model, lockstep sampler and engine for every environment (ALFWorld on one tiny PDDL
+    game in every split): their programs compile once for all of them (compiling dominates these tests on
+    a CPU)."""
+    data = None
+    if "alfworld" in ENGINE_ENVS:
+        data = write_tiny_alfworld_data(tmp_path_factory.mktemp("alfworld"),
+                                        splits=("train", "valid_seen", "valid_unseen"))
+    model = parity_model({env: tiny_config(env, data if env == "alfworld" else None) for env in ENGINE_ENVS})
+    assert model.engine.num_slots == 3  # the engine is the default
+    return model
 
 
 @pytest.mark.parametrize("env", sorted(ENVIRONMENTS))
-def test_greedy_engine_rollout_equals_the_lockstep_rollout_on_every_environment(env, shared_model):
+def test_greedy_engine_rollout_equals_the_lockstep_rollout_on_every_environment(env, parity):
     if env == "alfworld":
         require("textworld")
-    cfg = shared_model.cfgs[env]
-    r = cfg.rollout
-    policy = functools.partial(
-        LLMPolicy, shared_model.tokenizer, shared_model.sampler, shared_model.params,
-        SamplingParams(temperature=0.0, max_new_tokens=max(r.max_response_tokens, r.max_reflection_tokens)),
-        jax.random.key(0), max_prompt_tokens=r.max_prompt_tokens)
-    tasks = make_task_sampler(cfg).sample_train(0)
-    runner = make_runner(cfg, num_episodes=r.num_episodes)
-    lockstep = runner.run(tasks, policy(engine=None), training=True)
-    engine = runner.run(tasks, policy(engine=shared_model.engine), training=True)
-    assert_same_rollout(lockstep, engine)
+    lockstep, engine = greedy_rollouts(parity, env)
+    assert rollout_differences(lockstep, engine) == []
     # The engine really interleaved turns: more rows than slots. (Slot moves need a slot freed below a
     # running one with nothing queued; these random-model workloads are nearly symmetric across
     # meta-episodes and rarely make one, so the engine-level equality tests assert the moves.)
-    assert lockstep.stats["rows"] > shared_model.engine.num_slots
+    assert lockstep.stats["rows"] > parity.engine.num_slots
+
+
+# ------------------------------------------------------------------------------------ the seam
+def _dotted(node: ast.AST) -> str:
+    """``a.b.c`` of an attribute chain."""
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return getattr(node, "id", "?")
+
+
+def test_the_engine_sees_its_programs_and_their_slots_only_through_the_declared_protocols():
+    """Every member the engine module reads of its slot programs (``programs.X``) is one ``SlotPrograms``
+    declares, every field it reads of the slots one ``SlotState`` declares, and it imports neither the
+    compiled programs nor the lockstep sampler: a member the engine starts to use is a change to the
+    protocol, where the stand-in of the host benchmark sees it too."""
+    tree = ast.parse(inspect.getsource(engine_module))
+    read = {kind: {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                   and _dotted(n.value) in owners}
+            for kind, owners in (("programs", ("programs", "self.programs", "self.engine.programs")),
+                                 ("slots", ("self.slots",)))}
+    declared = {kind: {n for n in (*vars(proto), *proto.__annotations__) if not n.startswith("_")}
+                for kind, proto in (("programs", SlotPrograms), ("slots", SlotState))}
+    for kind in ("programs", "slots"):
+        assert read[kind] and read[kind] <= declared[kind], (kind, read[kind] - declared[kind])
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not imported & {"mage_jax.generate.slots", "mage_jax.generate.sampler"}
 
 
 # ------------------------------------------------------------------------------------ engine alone
-VOCAB, EOS, PAD = 64, 3, 0
-
-
 @pytest.fixture(scope="module")
-def tiny_sampler():
-    config = ModelConfig.preset("tiny", vocab_size=VOCAB, num_layers=2, hidden_size=64, intermediate_size=128)
-    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
-    sampler = Sampler(graphdef, config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(8, 16), batch_buckets=(8,))
-    return sampler, state
+def tiny_sampler(tiny_model):
+    """The lockstep sampler of the shared model (prompt buckets 8 and 16) and its state."""
+    return Sampler(spec_of(tiny_model, (8, 16)), batch_buckets=(8,)), tiny_model[2]
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +121,8 @@ def engines(tiny_sampler):
     """``engines(slots, chunk)``: one engine per shape for the whole module. Synchronous (no overlap):
     these tests follow the slots step by step, and with overlap a request joins one chunk later."""
     sampler, _ = tiny_sampler
-    return functools.cache(lambda slots, chunk: RolloutEngine(sampler, slots=slots, max_new_tokens=12,
-                                                              chunk=chunk, overlap=False))
+    return functools.cache(lambda slots, chunk: compiled_engine(sampler.spec, slots=slots, max_new_tokens=12,
+                                                                chunk=chunk, overlap=False))
 
 
 def requests_of(prompts, limits, automata):
@@ -212,8 +169,8 @@ def watch_dispatches(session, monkeypatch) -> list[int]:
     decoding, and choosing it reads nothing from the device (``to_host``, and on an accelerator a
     transfer guard: a read would wait for the inserts just dispatched). Returns the window of each
     chunk, filled as the session runs."""
-    kernels, windows, dispatching = session.kernels, [], [False]
-    to_host, dispatch, decode = engine_module.to_host, session._dispatch, kernels.decode
+    programs, windows, dispatching = session.programs, [], [False]
+    to_host, dispatch, decode = engine_module.to_host, session._dispatch, programs.decode
 
     def guarded_to_host(x):
         assert not dispatching[0], "a dispatch read the device"
@@ -233,13 +190,13 @@ def watch_dispatches(session, monkeypatch) -> list[int]:
         for s in session.running:
             bound = session.write_bound[s]
             assert bound >= write[s] if done[s] else bound == write[s], (s, bound, write[s])
-            assert done[s] or (window or kernels.max_len) >= write[s] + kernels.chunk
+            assert done[s] or (window or programs.max_len) >= write[s] + programs.chunk
         windows.append(window)
         return decode(state, slots, params, key, window, bucket, **kw)
 
     monkeypatch.setattr(engine_module, "to_host", guarded_to_host)
     monkeypatch.setattr(session, "_dispatch", guarded_dispatch)
-    monkeypatch.setattr(kernels, "decode", checked_decode)
+    monkeypatch.setattr(programs, "decode", checked_decode)
     return windows
 
 
@@ -260,9 +217,10 @@ def test_decode_windows_read_only_the_cache_prefix_the_slots_need_and_give_the_s
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     ref = sampler.generate(state, prompts, params, jax.random.key(0), constraints=automata,
                            max_new_tokens_per_row=np.asarray(limits))
-    engine = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=chunk, window_levels=3, overlap=overlap)
-    kernels = engine.kernels
-    assert kernels.windows == (7, 14, 28)
+    engine = compiled_engine(sampler.spec, slots=3, max_new_tokens=12, chunk=chunk, window_levels=3,
+                             overlap=overlap)
+    programs = engine.programs
+    assert programs.windows == (7, 14, 28)
     session = engine.session(state, params, jax.random.key(0))
 
     windows_used = watch_dispatches(session, monkeypatch)
@@ -280,16 +238,17 @@ def test_decode_windows_read_only_the_cache_prefix_the_slots_need_and_give_the_s
 @pytest.mark.parametrize("chunk, levels", [(3, 3), (7, 3), (2, 4), (5, 1)])
 def test_a_chunks_window_is_the_smallest_that_holds_its_writes_at_every_write_position(tiny_sampler, chunk,
                                                                                          levels):
-    """``SlotSampler.window`` at every position a slot can write from: the window holds the chunk's writes
-    (positions ``w .. w + chunk - 1``, so ``w + chunk`` of them, the cache at most), and no smaller window
-    does."""
+    """``CompiledSlotPrograms.window`` at every position a slot can write from: the window holds the
+    chunk's writes (positions ``w .. w + chunk - 1``, so ``w + chunk`` of them, the cache at most), and no
+    smaller window does."""
     sampler, _ = tiny_sampler
-    kernels = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=chunk, window_levels=levels).kernels
-    for write in range(kernels.max_len):
-        window = kernels.window(write)
-        need = min(write + chunk, kernels.max_len)
-        assert window in kernels.windows and window >= need, (write, window)
-        assert all(w < need for w in kernels.windows if w < window), (write, window)
+    programs = compiled_engine(sampler.spec, slots=3, max_new_tokens=12, chunk=chunk,
+                               window_levels=levels).programs
+    for write in range(programs.max_len):
+        window = programs.window(write)
+        need = min(write + chunk, programs.max_len)
+        assert window in programs.windows and window >= need, (write, window)
+        assert all(w < need for w in programs.windows if w < window), (write, window)
 
 
 def test_a_prompt_copied_after_its_slot_moved_comes_from_the_moved_slot(tiny_sampler, engines, monkeypatch):
@@ -363,8 +322,8 @@ def test_overlapped_decoding_gives_the_synchronous_responses(tiny_sampler, engin
     the schedule differs; the responses (greedy and sampled) do not."""
     sampler, state = tiny_sampler
     prompts, limits, automata = mixed_batch()
-    overlapped = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=3)
-    assert overlapped.overlap and overlapped.kernels is engines(3, 3).kernels
+    overlapped = compiled_engine(sampler.spec, slots=3, max_new_tokens=12, chunk=3)
+    assert overlapped.overlap and overlapped.programs is engines(3, 3).programs
     for params in (SamplingParams(temperature=0.0, max_new_tokens=12),
                    SamplingParams(temperature=1.0, top_k=8, max_new_tokens=12)):
         runs = []
@@ -392,10 +351,10 @@ def test_overlapped_engine_never_waits_for_an_insert(tiny_sampler, monkeypatch):
     too). Only a step entered with nothing running (so nothing in flight) reads the inserted slots' flags."""
     sampler, state = tiny_sampler
     prompts, limits, automata = mixed_batch()
-    engine = RolloutEngine(sampler, slots=3, max_new_tokens=12, chunk=3)
+    engine = compiled_engine(sampler.spec, slots=3, max_new_tokens=12, chunk=3)
     inserted: dict[int, Any] = {}  # id -> the array (held, so that no id is reused)
     reads = []
-    insert, to_host = engine.kernels.insert, engine_module.to_host
+    insert, to_host = engine.programs.insert, engine_module.to_host
 
     def recording_insert(*args, **kwargs):
         out = insert(*args, **kwargs)
@@ -406,7 +365,7 @@ def test_overlapped_engine_never_waits_for_an_insert(tiny_sampler, monkeypatch):
         reads.append(id(x) in inserted)
         return to_host(x)
 
-    monkeypatch.setattr(engine.kernels, "insert", recording_insert)
+    monkeypatch.setattr(engine.programs, "insert", recording_insert)
     monkeypatch.setattr(engine_module, "to_host", recording_to_host)
     session = engine.session(state, SamplingParams(temperature=0.0, max_new_tokens=12), jax.random.key(4))
     pending = requests_of(prompts, limits, automata)
@@ -443,16 +402,17 @@ def test_a_new_runs_engine_and_an_evaluation_after_training_compile_no_engine_pr
     keys = [jax.random.key(i) for i in range(3)]
     training = SamplingParams(temperature=1.0, max_new_tokens=12)
     evaluation = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_new_tokens=12)
-    first = RolloutEngine(sampler, slots=4, max_new_tokens=12, chunk=3)
+    first = compiled_engine(sampler.spec, slots=4, max_new_tokens=12, chunk=3)
     generate_all(first.session(state, training, keys[0]), requests_of(prompts, limits, automata))
     counter = compile_report.counter()
     before = counter.snapshot()
     assert before.programs is not None
     generate_all(first.session(state, evaluation, keys[1]), requests_of(prompts, limits, automata))
-    next_run = Sampler(sampler.graphdef, sampler.config, eos_ids=sampler.eos_ids, pad_id=sampler.pad_id,
-                       prompt_buckets=sampler.prompt_buckets, batch_buckets=sampler.batch_buckets)
-    second = RolloutEngine(next_run, slots=4, max_new_tokens=12, chunk=3)
-    assert second.kernels is first.kernels
+    spec = sampler.spec
+    next_run = ModelSpec(spec.graphdef, spec.config, eos_ids=spec.eos_ids, pad_id=spec.pad_id,
+                         prompt_buckets=spec.prompt_buckets)
+    second = compiled_engine(next_run, slots=4, max_new_tokens=12, chunk=3)
+    assert second.programs is first.programs
     out = generate_all(second.session(state, evaluation, keys[2]), requests_of(prompts, limits, automata))
     assert len(out) == len(prompts)
     assert (counter.snapshot() - before).programs == 0
@@ -464,8 +424,8 @@ def test_an_insert_sends_automaton_indices_not_tables_at_qwens_vocabulary():
     vocab = 151_936
     config = ModelConfig.preset("tiny", vocab_size=vocab, num_layers=1, hidden_size=16, intermediate_size=32)
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
-    sampler = Sampler(graphdef, config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(8,), batch_buckets=(4,))
-    engine = RolloutEngine(sampler, slots=4, max_new_tokens=4, chunk=4)
+    spec = ModelSpec(graphdef, config, eos_ids=(EOS,), pad_id=PAD, prompt_buckets=(8,))
+    engine = compiled_engine(spec, slots=4, max_new_tokens=4, chunk=4)
     actions = automaton_from_completions([[1000, 2000], [1001], [150_000, 7]], vocab, EOS)
     requests = [EngineRequest(i, (5, 6, 7 + i), 4, actions if i % 2 else None, (i, 0, 0)) for i in range(6)]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
@@ -485,7 +445,7 @@ def test_an_insert_sends_automaton_indices_not_tables_at_qwens_vocabulary():
 
 def test_bad_requests_are_one_clear_error(tiny_sampler):
     sampler, state = tiny_sampler
-    engine = RolloutEngine(sampler, slots=2, max_new_tokens=4)
+    engine = compiled_engine(sampler.spec, slots=2, max_new_tokens=4)
     session = engine.session(state, SamplingParams(max_new_tokens=4), jax.random.key(0))
     with pytest.raises(ValueError, match="at least one prompt token"):
         session.submit(EngineRequest(0, (), 4, None, (0, 0, 0)))
@@ -504,8 +464,9 @@ _SHARDED = textwrap.dedent(
     from mage_jax.models.config import ModelConfig
     from mage_jax.models.sharding import MeshConfig, make_mesh, shard_state
     from mage_jax.models.transformer import Transformer, stack_layers
-    from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
-    from mage_jax.generate.sampler import Sampler
+    from mage_jax.generate.engine import EngineRequest, generate_all
+    from mage_jax.generate.slots import compiled_engine
+    from mage_jax.generate.spec import ModelSpec
     from mage_jax.generate.step import SamplingParams
 
     config = ModelConfig.preset("tiny", vocab_size=64, num_layers=2, hidden_size=64, intermediate_size=128)
@@ -529,9 +490,8 @@ _SHARDED = textwrap.dedent(
                              ("data2_fsdp4_scanned", data2_fsdp4, True)):
         cfg, gdef, weights = layouts[scan]
         placed = weights if mesh is None else shard_state(weights, mesh)
-        sampler = Sampler(gdef, cfg, eos_ids=[3], pad_id=0, prompt_buckets=(16,), batch_buckets=(8,),
-                          mesh=mesh)
-        engine = RolloutEngine(sampler, slots=16, max_new_tokens=6, chunk=2)
+        spec = ModelSpec(gdef, cfg, eos_ids=(3,), pad_id=0, prompt_buckets=(16,), mesh=mesh)
+        engine = compiled_engine(spec, slots=16, max_new_tokens=6, chunk=2)
         session = engine.session(placed, params, jax.random.key(0))
         results = generate_all(session, requests)
         k = session.slots.cache.k[0]
@@ -554,13 +514,12 @@ _SHARDED = textwrap.dedent(
         deeper = ModelConfig.preset("tiny", vocab_size=64, num_layers=layers, hidden_size=64,
                                     intermediate_size=128)
         g, s = nnx.split(Transformer(deeper, rngs=nnx.Rngs(0)))
-        sampler = Sampler(g, deeper, eos_ids=[3], pad_id=0, prompt_buckets=(512,), batch_buckets=(8,),
-                          mesh=mesh)
-        kernels = RolloutEngine(sampler, slots=16, max_new_tokens=64, chunk=2).kernels
-        insert = kernels.lower_insert(shard_state(s, mesh), params, prompt_len=512)
+        spec = ModelSpec(g, deeper, eos_ids=(3,), pad_id=0, prompt_buckets=(512,), mesh=mesh)
+        programs = compiled_engine(spec, slots=16, max_new_tokens=64, chunk=2).programs
+        insert = programs.lower_insert(shard_state(s, mesh), params, prompt_len=512)
         out["insert_memory"].append([insert.compile().memory_analysis().temp_size_in_bytes,
                                      sum(c.size * c.dtype.itemsize for c in jax.tree.leaves(
-                                         kernels.abstract_slots().cache))])
+                                         programs.abstract_slots().cache))])
     print("RESULT" + json.dumps(out))
     """
 )
@@ -608,21 +567,22 @@ def test_engine_is_the_default_and_lockstep_is_a_switch(tiny_sampler):
     sampler, _ = tiny_sampler
     default = environment("kuhn_poker").config("tiny")
     assert default.rollout.engine == "continuous" and default.rollout.engine_slots == 0
-    engine = make_engine(default, sampler, mesh_of(data=1, fsdp=8))
+    engine = make_engine(default, sampler.spec, mesh_of(data=1, fsdp=8))
     assert engine is not None and engine.num_slots == 64  # min(largest rollout, 64)
     capped = dataclasses.replace(default, rollout=dataclasses.replace(default.rollout, max_decode_rows=12))
-    assert make_engine(capped, sampler, mesh_of(data=2, fsdp=2)).num_slots == 12  # the sampler's cap
-    fixed = make_engine(tiny_config("kuhn_poker", engine_slots=5), sampler, mesh_of(data=1, fsdp=4))
+    assert make_engine(capped, sampler.spec, mesh_of(data=2, fsdp=2)).num_slots == 12  # the sampler's cap
+    fixed = make_engine(tiny_config("kuhn_poker", engine_slots=5), sampler.spec, mesh_of(data=1, fsdp=4))
     assert fixed.num_slots == 8  # a multiple of the batch ways
-    assert make_engine(tiny_config("kuhn_poker", engine="lockstep"), sampler, mesh_of(data=1, fsdp=1)) is None
+    lockstep = tiny_config("kuhn_poker", engine="lockstep")
+    assert make_engine(lockstep, sampler.spec, mesh_of(data=1, fsdp=1)) is None
     with pytest.raises(C.ConfigError, match="rollout.engine"):
         tiny_config("kuhn_poker", engine="fast")
     with pytest.raises(C.ConfigError, match="rollout.engine_chunk"):
         tiny_config("kuhn_poker", engine_chunk=0)
-    assert len(engine.kernels.windows) == 1  # the whole cache only, by default
-    windowed = make_engine(tiny_config("kuhn_poker", engine_windows=3), sampler, mesh_of(data=1, fsdp=1))
-    whole = windowed.kernels.max_len
-    assert windowed.kernels.windows == (-(-whole // 4), -(-whole // 2), whole)
+    assert len(engine.programs.windows) == 1  # the whole cache only, by default
+    windowed = make_engine(tiny_config("kuhn_poker", engine_windows=3), sampler.spec, mesh_of(data=1, fsdp=1))
+    whole = windowed.programs.max_len
+    assert windowed.programs.windows == (-(-whole // 4), -(-whole // 2), whole)
     with pytest.raises(C.ConfigError, match="rollout.engine_windows must be >= 1"):
         tiny_config("kuhn_poker", engine_windows=0)
 

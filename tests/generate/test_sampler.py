@@ -19,28 +19,23 @@ from mage_jax.generate.constraints import (
     stack_automata,
 )
 from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.spec import ModelSpec
 from mage_jax.generate.step import SamplingParams
-from mage_jax.models.config import ModelConfig
-from mage_jax.models.transformer import Transformer, positions_from_mask
+from mage_jax.models.transformer import positions_from_mask
+from mage_jax.testing import random_causal_lm
+from tests.generate.conftest import EOS, PAD, VOCAB, spec_of
 from tests.optional import require
-from tests.tiny_models import build_random_causal_lm
 from tests.xla_env import fake_devices_env
 
-VOCAB, EOS, PAD = 64, 3, 0
 MAX_NEW = 8
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24]]
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    """A 2-layer random model and one sampler shared by the tests, so compiled programs are reused."""
-    config = ModelConfig.preset("tiny", vocab_size=VOCAB, num_layers=2, hidden_size=64, intermediate_size=128)
-    model = Transformer(config, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
-    sampler = Sampler(
-        graphdef, config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(8, 16), batch_buckets=(2, 4)
-    )
-    return model, state, sampler
+def tiny(tiny_model):
+    """The shared random model and one sampler for the tests, so compiled programs are reused."""
+    _, graphdef, state = tiny_model
+    return nnx.merge(graphdef, state), state, Sampler(spec_of(tiny_model, (8, 16)), batch_buckets=(2, 4))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -213,7 +208,8 @@ def build_hf_checkpoint(arch: str, folder):
         max_position_embeddings=512,
         tie_word_embeddings=arch == "qwen3",
     )
-    return build_random_causal_lm(hf_config, folder, weight_std=0.2)
+    require("torch")
+    return random_causal_lm(hf_config, folder, weight_std=0.2)
 
 
 def hf_greedy(model, prompts, max_new: int):
@@ -245,7 +241,8 @@ def test_greedy_generation_matches_hugging_face_generate(arch, tmp_path):
 
     hf_model = build_hf_checkpoint(arch, tmp_path)
     config, graphdef, state = load_hf_params(tmp_path)
-    sampler = Sampler(graphdef, config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(16,), batch_buckets=(4,))
+    sampler = Sampler(ModelSpec(graphdef, config, eos_ids=(EOS,), pad_id=PAD, prompt_buckets=(16,)),
+                      batch_buckets=(4,))
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41, 42], [17, 18, 19, 20, 21]]
     out = sampler.generate(state, prompts, SamplingParams(greedy=True, max_new_tokens=32), jax.random.key(0))
     expected = hf_greedy(hf_model, prompts, 32)
@@ -262,6 +259,7 @@ from mage_jax.models.config import ModelConfig
 from mage_jax.models.sharding import MeshConfig, make_mesh
 from mage_jax.models.transformer import Transformer
 from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.spec import ModelSpec
 from mage_jax.generate.step import SamplingParams
 config = ModelConfig.preset("tiny", vocab_size=64, num_layers=1, hidden_size=64, intermediate_size=128)
 graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
@@ -269,13 +267,12 @@ prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 params = SamplingParams(greedy=True, max_new_tokens=6)
 out = {}
 for name, mesh in (("single", None), ("mesh", make_mesh(MeshConfig(data=1, fsdp=2, tensor=1)))):
-    sampler = Sampler(graphdef, config, eos_ids=[3], pad_id=0, prompt_buckets=(8,), batch_buckets=(4,),
-                      mesh=mesh)
-    result = sampler.generate(state, prompts, params, jax.random.key(0))
+    spec = ModelSpec(graphdef, config, eos_ids=(3,), pad_id=0, prompt_buckets=(8,), mesh=mesh)
+    result = Sampler(spec, batch_buckets=(4,)).generate(state, prompts, params, jax.random.key(0))
     out[name] = [t.tolist() for t in result.tokens]
-    if mesh is not None:  # the state was placed by the partition rules: some leaves split over devices
-        leaves = jax.tree.leaves(sampler.state_shardings)
-        out["split_leaves"] = sum(any(axis is not None for axis in s.spec) for s in leaves)
+    if mesh is not None:  # the state is placed by the partition rules: some leaves split over devices
+        leaves = jax.tree.leaves(spec.place_state(state))
+        out["split_leaves"] = sum(any(axis is not None for axis in x.sharding.spec) for x in leaves)
 print(json.dumps(out))
 """
 

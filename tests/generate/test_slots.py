@@ -5,6 +5,7 @@ field) to another slot. Driven by hand here; the scheduling is the engine's (tes
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -13,29 +14,30 @@ import pytest
 from flax import nnx
 
 from mage_jax.generate.sampler import Sampler
-from mage_jax.generate.slots import Donor, SlotSampler
+from mage_jax.generate.slots import CompiledSlotPrograms
+from mage_jax.generate.spec import Donor, ModelSpec, SlotPrograms
 from mage_jax.generate.step import SamplingParams
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer
+from tests.generate.conftest import EOS, PAD, VOCAB, spec_of
 
-VOCAB, EOS, PAD = 64, 3, 0
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24]]
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    config = ModelConfig.preset("tiny", vocab_size=VOCAB, num_layers=2, hidden_size=64, intermediate_size=128)
-    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
-    sampler = Sampler(graphdef, config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(16,), batch_buckets=(4,))
-    kernels = SlotSampler(sampler, slots=4, max_new_tokens=6, chunk=6)
-    reference = sampler.generate(state, PROMPTS, GREEDY, jax.random.key(0))
-    return sampler, kernels, state, reference
+def tiny(tiny_model):
+    spec = spec_of(tiny_model, (16,))
+    programs = CompiledSlotPrograms(spec, slots=4, max_new_tokens=6, chunk=6)
+    assert isinstance(programs, SlotPrograms)  # what the engine sees of them
+    state = tiny_model[2]
+    reference = Sampler(spec, batch_buckets=(4,)).generate(state, PROMPTS, GREEDY, jax.random.key(0))
+    return spec, programs, state, reference
 
 
-def insert(kernels, state, slots, prompts, source, targets, donors=None):
+def insert(programs, state, slots, prompts, source, targets, donors=None):
     t = len(targets)
-    return kernels.insert(state, slots, prompts, source, targets, [6] * t, [0] * t,  # accept-all automata
+    return programs.insert(state, slots, prompts, source, targets, [6] * t, [0] * t,  # accept-all automata
                           np.asarray([[i, 0, 0] for i in range(t)], np.int32), GREEDY, jax.random.key(0),
                           donors)
 
@@ -46,11 +48,11 @@ def response(slots, s):
 
 
 def test_insert_then_decode_gives_the_lockstep_samplers_greedy_tokens(tiny):
-    _, kernels, state, reference = tiny
+    _, programs, state, reference = tiny
     # Three prompts, the first one twice (prefilled once, copied into two slots).
-    slots = insert(kernels, state, kernels.empty(), PROMPTS, [0, 1, 2, 0], [0, 1, 2, 3])
+    slots = insert(programs, state, programs.empty(), PROMPTS, [0, 1, 2, 0], [0, 1, 2, 3])
     assert np.asarray(slots.length).tolist() == [1, 1, 1, 1]  # the first token comes from the prefill
-    slots, steps = kernels.decode(state, slots, GREEDY, jax.random.key(0))
+    slots, steps = programs.decode(state, slots, GREEDY, jax.random.key(0))
     assert int(steps) <= 6 and bool(np.asarray(slots.done).all())
     for s, p in enumerate([0, 1, 2, 0]):
         assert response(slots, s) == reference.tokens[p].tolist()
@@ -59,46 +61,42 @@ def test_insert_then_decode_gives_the_lockstep_samplers_greedy_tokens(tiny):
 
 
 def test_a_prompt_copied_from_a_donor_slot_decodes_like_a_prefilled_one(tiny):
-    _, kernels, state, reference = tiny
-    slots = insert(kernels, state, kernels.empty(), [PROMPTS[1]], [0], [2])
+    _, programs, state, reference = tiny
+    slots = insert(programs, state, programs.empty(), [PROMPTS[1]], [0], [2])
     # Slot 2 holds prompt 1 at positions bucket - length .. bucket - 1: slot 0 copies it, no prefill.
     donor = Donor(slot=2, bucket=16, length=len(PROMPTS[1]))
-    slots = insert(kernels, state, slots, [], [0], [0], donors=[donor])
-    slots, _ = kernels.decode(state, slots, GREEDY, jax.random.key(0))
+    slots = insert(programs, state, slots, [], [0], [0], donors=[donor])
+    slots, _ = programs.decode(state, slots, GREEDY, jax.random.key(0))
     assert response(slots, 0) == response(slots, 2) == reference.tokens[1].tolist()
 
 
 def test_slot_0_as_a_donor_gives_its_prompt_like_any_other_slot(tiny):
     """The donor index 0 is a slot like the others (the insert marks "no donor" with -1, not 0)."""
-    _, kernels, state, reference = tiny
-    slots = insert(kernels, state, kernels.empty(), [PROMPTS[2]], [0], [0])
+    _, programs, state, reference = tiny
+    slots = insert(programs, state, programs.empty(), [PROMPTS[2]], [0], [0])
     donor = Donor(slot=0, bucket=16, length=len(PROMPTS[2]))
-    slots = insert(kernels, state, slots, [], [0, 0], [3, 1], donors=[donor, donor])
-    slots, _ = kernels.decode(state, slots, GREEDY, jax.random.key(0))
+    slots = insert(programs, state, slots, [], [0, 0], [3, 1], donors=[donor, donor])
+    slots, _ = programs.decode(state, slots, GREEDY, jax.random.key(0))
     for s in (0, 1, 3):
         assert response(slots, s) == reference.tokens[2].tolist(), s
 
 
-def test_engines_of_one_model_with_other_prompt_buckets_do_not_share_programs(tiny):
-    """``SlotSampler.shared`` gives one instance per model graph and shapes: the prompt buckets set the
-    insert's shapes and the cache length, so samplers that differ only in them get their own."""
-    sampler, _, _, _ = tiny
-    longer = Sampler(sampler.graphdef, sampler.config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(8, 32),
-                     batch_buckets=(4,))
-    same = Sampler(sampler.graphdef, sampler.config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(16,),
-                   batch_buckets=(4,))
+def test_engines_of_one_model_with_other_prompt_buckets_do_not_share_programs(tiny, tiny_model):
+    """``CompiledSlotPrograms.shared`` gives one instance per model graph and shapes: the prompt buckets set
+    the insert's shapes and the cache length, so specs that differ only in them get their own."""
+    spec, _, _, _ = tiny
     shape = {"slots": 4, "max_new_tokens": 6, "chunk": 2}
-    first = SlotSampler.shared(sampler, **shape)
-    assert SlotSampler.shared(same, **shape) is first
-    other = SlotSampler.shared(longer, **shape)
+    first = CompiledSlotPrograms.shared(spec, **shape)
+    assert CompiledSlotPrograms.shared(spec_of(tiny_model, (16,)), **shape) is first
+    other = CompiledSlotPrograms.shared(spec_of(tiny_model, (8, 32)), **shape)
     assert other is not first and other.max_len == 32 + 6 and first.max_len == 16 + 6
 
 
 def test_a_moved_slot_carries_its_cache_row_and_every_field_and_decodes_on(tiny):
-    _, kernels, state, reference = tiny
-    slots = insert(kernels, state, kernels.empty(), PROMPTS[:2], [0, 1], [1, 3])
+    _, programs, state, reference = tiny
+    slots = insert(programs, state, programs.empty(), PROMPTS[:2], [0, 1], [1, 3])
     before = jax.tree.map(np.asarray, slots)
-    moved = kernels.move(slots, [(3, 0)])
+    moved = programs.move(slots, [(3, 0)])
     after = jax.tree.map(np.asarray, moved)
     for name in ("last", "write", "position", "kv_start", "length", "limit", "finished", "auto", "key_path",
                  "tokens", "logprobs", "prompt_hidden", "rule"):
@@ -107,22 +105,22 @@ def test_a_moved_slot_carries_its_cache_row_and_every_field_and_decodes_on(tiny)
         np.testing.assert_array_equal(k_after[0], k_before[3])
     assert bool(after.done[3]) and not bool(after.done[0])  # the source is free, the target runs
     np.testing.assert_array_equal(after.tokens[1], before.tokens[1])  # other slots untouched
-    moved, _ = kernels.decode(state, moved, GREEDY, jax.random.key(0))
+    moved, _ = programs.decode(state, moved, GREEDY, jax.random.key(0))
     assert response(moved, 0) == reference.tokens[1].tolist()
     assert response(moved, 1) == reference.tokens[0].tolist()
 
 
 def test_a_decode_over_a_slot_bucket_leaves_the_other_slots_alone(tiny):
-    _, kernels, state, reference = tiny
-    assert kernels.slot_buckets == (1, 4)  # all slots, a quarter
-    slots = insert(kernels, state, kernels.empty(), PROMPTS[:2], [0, 1], [0, 3])
+    _, programs, state, reference = tiny
+    assert programs.slot_buckets == (1, 4)  # all slots, a quarter
+    slots = insert(programs, state, programs.empty(), PROMPTS[:2], [0, 1], [0, 3])
     before = jax.tree.map(np.asarray, slots)
-    slots, _ = kernels.decode(state, slots, GREEDY, jax.random.key(0), bucket=1)
+    slots, _ = programs.decode(state, slots, GREEDY, jax.random.key(0), bucket=1)
     assert response(slots, 0) == reference.tokens[0].tolist()
     np.testing.assert_array_equal(np.asarray(slots.tokens[3]), before.tokens[3])  # outside the bucket
     assert int(slots.length[3]) == 1
     with pytest.raises(ValueError, match="slot bucket 3"):
-        kernels.decode(state, slots, GREEDY, jax.random.key(0), bucket=3)
+        programs.decode(state, slots, GREEDY, jax.random.key(0), bucket=3)
 
 
 def test_a_scanned_models_insert_holds_one_layers_prompt_keys_and_values_at_a_time():
@@ -135,32 +133,30 @@ def test_a_scanned_models_insert_holds_one_layers_prompt_keys_and_values_at_a_ti
         config = ModelConfig.preset("tiny", vocab_size=VOCAB, num_layers=layers, hidden_size=64,
                                     intermediate_size=128, scan_layers=True)
         graphdef, state = nnx.split(nnx.eval_shape(lambda c=config: Transformer(c, rngs=nnx.Rngs(0))))
-        sampler = Sampler(graphdef, config, eos_ids=[EOS], pad_id=PAD, prompt_buckets=(256,),
-                          batch_buckets=(4,))
-        kernels = SlotSampler(sampler, slots=4, max_new_tokens=16, chunk=2)
-        insert = kernels.lower_insert(state, GREEDY, prompt_len=256).compile()
+        spec = ModelSpec(graphdef, config, eos_ids=(EOS,), pad_id=PAD, prompt_buckets=(256,))
+        programs = CompiledSlotPrograms(spec, slots=4, max_new_tokens=16, chunk=2)
+        insert = programs.lower_insert(state, GREEDY, prompt_len=256).compile()
         temp.append(insert.memory_analysis().temp_size_in_bytes)
-        cache.append(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(kernels.abstract_slots().cache)))
+        cache.append(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(programs.abstract_slots().cache)))
     assert temp[1] - temp[0] < (cache[1] - cache[0]) / 2, (temp, cache)
 
 
 def test_bad_inserts_are_one_clear_error(tiny):
-    _, kernels, state, _ = tiny
+    _, programs, state, _ = tiny
     with pytest.raises(ValueError, match="needs a prompt to prefill"):
-        insert(kernels, state, kernels.empty(), [], [0], [0])
+        insert(programs, state, programs.empty(), [], [0], [0])
     with pytest.raises(ValueError, match="prompts must have"):
-        insert(kernels, state, kernels.empty(), [list(range(4, 21))], [0], [0])
+        insert(programs, state, programs.empty(), [list(range(4, 21))], [0], [0])
     with pytest.raises(ValueError, match="multiple of the mesh"):
-        SlotSampler(on_a_mesh(kernels.sampler), slots=3, max_new_tokens=4, chunk=2)
-    four = SlotSampler(on_a_mesh(kernels.sampler), slots=4, max_new_tokens=4, chunk=2)  # a slot per device
+        CompiledSlotPrograms(on_a_mesh(programs.spec), slots=3, max_new_tokens=4, chunk=2)
+    four = CompiledSlotPrograms(on_a_mesh(programs.spec), slots=4, max_new_tokens=4, chunk=2)  # 1 / device
     with pytest.raises(ValueError, match="lie on different devices"):  # a donor's cache row stays put
         insert(four, state, None, [], [0], [1], donors=[Donor(slot=0, bucket=16, length=3)])
     with pytest.raises(ValueError, match="at most 2 targets per device block"):  # the engine splits
-        insert(SlotSampler(kernels.sampler, slots=4, max_new_tokens=4, chunk=2, insert_rows=2), state, None,
-               PROMPTS, [0, 1, 2], [0, 1, 2])
+        two_rows = CompiledSlotPrograms(programs.spec, slots=4, max_new_tokens=4, chunk=2, insert_rows=2)
+        insert(two_rows, state, None, PROMPTS, [0, 1, 2], [0, 1, 2])
 
 
-def on_a_mesh(sampler):
-    """``sampler`` as a SlotSampler sees it on a mesh of 2 x 2 batch ways (it reads the axis sizes)."""
-    mesh = types.SimpleNamespace(shape={"data": 2, "fsdp": 2})
-    return types.SimpleNamespace(**{**vars(sampler), "mesh": mesh})
+def on_a_mesh(spec):
+    """``spec`` as the slot programs see it on a mesh of 2 x 2 batch ways (they read the axis sizes)."""
+    return dataclasses.replace(spec, mesh=types.SimpleNamespace(shape={"data": 2, "fsdp": 2}))

@@ -8,8 +8,7 @@ import json
 import jax
 import pytest
 
-from mage_jax.models import ModelConfig
-from mage_jax.models.config import ModelName
+from mage_jax.models.config import ModelConfig, ModelName
 
 QWEN3_0_6B_CONFIG_JSON = {  # the published Qwen/Qwen3-0.6B config.json (transformers 4.x layout)
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,

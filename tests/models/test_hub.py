@@ -12,7 +12,7 @@ from experiments.common import parse_command_line
 from mage_jax.config import ConfigError
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.hub import resolve_model_path
-from tests.tiny_models import SMALLEST_DECODER, build_bpe_tokenizer
+from mage_jax.testing import SMALLEST_DECODER, build_bpe_tokenizer
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 

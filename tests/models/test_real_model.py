@@ -26,6 +26,7 @@ from flax import nnx
 from mage_jax.envs.kuhn_poker import kuhn_prompt_spec
 from mage_jax.envs.prompts import render_play_prompt
 from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.spec import ModelSpec
 from mage_jax.generate.step import SamplingParams
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.gguf import package_gguf_file
@@ -168,8 +169,9 @@ def test_greedy_generation_equals_transformers_and_stops_at_im_end(model, batch,
 
     _, _, _, ids = batch
     graphdef, state = nnx.split(model)
-    sampler = Sampler(graphdef, model.config, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
-                      prompt_buckets=(64,), batch_buckets=(len(ids),))
+    spec = ModelSpec(graphdef, model.config, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
+                     prompt_buckets=(64,))
+    sampler = Sampler(spec, batch_buckets=(len(ids),))
     out = sampler.generate(state, ids, SamplingParams(max_new_tokens=16, greedy=True), jax.random.key(0))
     im_end = tokenizer.eos_ids[0]
     for seq, tokens, finished in zip(ids, out.tokens, out.finished):

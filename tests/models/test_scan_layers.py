@@ -20,8 +20,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from mage_jax.generate.engine import EngineRequest, RolloutEngine, generate_all
+from mage_jax.generate.engine import EngineRequest, generate_all
 from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.slots import compiled_engine
+from mage_jax.generate.spec import ModelSpec
 from mage_jax.generate.step import KEY_PATH_LEN, SamplingParams
 from mage_jax.models import lora
 from mage_jax.models.config import ModelConfig
@@ -349,10 +351,9 @@ def test_greedy_generation_equals_the_unrolled_path_in_the_sampler_and_the_engin
     params = SamplingParams(greedy=True, max_new_tokens=6)
     outputs = []
     for g, s in ((graphdef, state), (graphdef_s, state_s)):
-        sampler = Sampler(g, nnx.merge(g, s).config, eos_ids=[3], pad_id=0, prompt_buckets=(8,),
-                          batch_buckets=(4,))
-        lockstep = sampler.generate(s, prompts, params, jax.random.key(0))
-        engine = RolloutEngine(sampler, slots=2, max_new_tokens=6, chunk=2)
+        spec = ModelSpec(g, nnx.merge(g, s).config, eos_ids=(3,), pad_id=0, prompt_buckets=(8,))
+        lockstep = Sampler(spec, batch_buckets=(4,)).generate(s, prompts, params, jax.random.key(0))
+        engine = compiled_engine(spec, slots=2, max_new_tokens=6, chunk=2)
         requests = [EngineRequest(tag=i, prompt_ids=tuple(p), limit=6, automaton=None,
                                   key_path=(i,) + (0,) * (KEY_PATH_LEN - 1)) for i, p in enumerate(prompts)]
         results = generate_all(engine.session(s, params, jax.random.key(0)), requests)
@@ -369,7 +370,9 @@ _SHARDED = textwrap.dedent(
     import dataclasses, json, sys
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
-    from mage_jax.models import ModelConfig, init_cache, lora, positions_from_mask
+    from mage_jax.models import lora
+    from mage_jax.models.config import ModelConfig
+    from mage_jax.models.transformer import init_cache, positions_from_mask
     from mage_jax.models.hf_loading import load_hf_params
     from mage_jax.models.sharding import MeshConfig, batch_sharding, cache_sharding, make_mesh
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from mage_jax.models import ModelConfig, Transformer
+from mage_jax.models.config import ModelConfig
 from mage_jax.models.sharding import (
     AXES,
     MeshConfig,
@@ -26,6 +26,7 @@ from mage_jax.models.sharding import (
     path_to_str,
     tree_shardings,
 )
+from mage_jax.models.transformer import Transformer
 from tests.xla_env import fake_devices_env
 
 MESH_222 = AbstractMesh((2, 2, 2), AXES)
@@ -106,7 +107,8 @@ _SCRIPT = textwrap.dedent(
     import json, sys
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
-    from mage_jax.models import ModelConfig, positions_from_mask
+    from mage_jax.models.config import ModelConfig
+    from mage_jax.models.transformer import positions_from_mask
     from mage_jax.models.hf_loading import load_hf_params
     from mage_jax.models.sharding import (MeshConfig, batch_sharding, cache_sharding, init_sharded, make_mesh,
                                           opt_state_shardings, shard_state)

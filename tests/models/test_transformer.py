@@ -10,15 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mage_jax.models import (
-    ModelConfig,
-    Transformer,
-    init_cache,
-    make_attention_mask,
-    positions_from_mask,
-    transformer,
-)
+from mage_jax.models import transformer
+from mage_jax.models.config import ModelConfig
 from mage_jax.models.hf_loading import load_hf_model
+from mage_jax.models.transformer import Transformer, init_cache, make_attention_mask, positions_from_mask
 from tests.optional import require
 
 from .conftest import hf_logits, jax_logits

@@ -6,16 +6,17 @@ import pytest
 
 from mage_jax.evaluation.metrics import compute_metrics
 from mage_jax.rollout.attempts import IndependentAttemptsRunner
-from mage_jax.rollout.meta_episode import MetaEpisodeOutcome, MetaEpisodeRunner, RolloutResult, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeOutcome, MetaEpisodeRunner, RolloutResult
 from mage_jax.rollout.policy import ScriptedPolicy
 from mage_jax.rollout.tasks import Task, TaskSampler, TaskSamplerConfig
+from mage_jax.testing import runner_config
 
 
 class _FakeRunner:
     """One-episode runner whose outcome for copy ``m`` is won iff ``m`` is in ``wins``."""
 
     def __init__(self, wins):
-        self.config = RunnerConfig(num_episodes=1)
+        self.config = runner_config(num_episodes=1)
         self.wins = set(wins)
         self.seen = []
 
@@ -70,14 +71,14 @@ def test_independent_attempts_are_joined_like_a_meta_episode_and_stop_at_the_fir
 
 def test_independent_attempts_need_a_one_episode_base_runner():
     with pytest.raises(ValueError, match="one episode"):
-        IndependentAttemptsRunner(MetaEpisodeRunner("kuhn_poker", {}, RunnerConfig(num_episodes=3)), 3)
+        IndependentAttemptsRunner(MetaEpisodeRunner("kuhn_poker", {}, runner_config(num_episodes=3)), 3)
 
 
 def test_independent_attempts_with_a_real_runner_repeat_a_deterministic_game():
     base = MetaEpisodeRunner(
         "kuhn_poker",
         {},
-        RunnerConfig(num_episodes=1, memory_mode="history_only", reflect=False, prompt_style="compact"),
+        runner_config(num_episodes=1, memory_mode="history_only", reflect=False, prompt_style="compact"),
     )
     tasks = TaskSampler(TaskSamplerConfig(opponents={"conservative": 1.0}, seats="mixed")).sample_eval(6)
     result = IndependentAttemptsRunner(base, 3).run(tasks, ScriptedPolicy(lambda p: "<action>PASS</action>"))

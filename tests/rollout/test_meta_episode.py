@@ -9,10 +9,11 @@ import pytest
 from mage_jax.envs.anchors import local_anchor, play_anchor, reflection_anchor
 from mage_jax.envs.base import PromptSpec, StepInfo, StepResult, TextEnv, register_env
 from mage_jax.generate.constraints import WordSequence
-from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutProgress, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RolloutProgress
 from mage_jax.rollout.policy import ScriptedPolicy
 from mage_jax.rollout.stopping import Interrupted
 from mage_jax.rollout.tasks import Task, TaskSampler, TaskSamplerConfig
+from mage_jax.testing import runner_config
 
 
 @register_env("rollout_test_guess")
@@ -99,7 +100,7 @@ def scripted(play, remark=lambda p: f"<remark>note-{seed_of(p)}-{trial_of(p)}</r
 
 
 def runner(**kw):
-    return MetaEpisodeRunner("rollout_test_guess", {}, RunnerConfig(**kw))
+    return MetaEpisodeRunner("rollout_test_guess", {}, runner_config(**kw))
 
 
 def wins_at(trials):
@@ -232,7 +233,7 @@ def test_reflect_false_writes_no_reflections_and_needs_history_memory():
     assert {r.phase for r in result.rows} == {"play"}
     assert "Trial #2, turn by turn" in [r.prompt_text for r in result.rows if r.episode == 2][0]
     with pytest.raises(ValueError, match="history_only"):
-        RunnerConfig(num_episodes=3, reflect=False)
+        runner_config(num_episodes=3, reflect=False)
 
 
 def test_no_memory_plays_every_episode_with_a_prompt_that_shows_no_earlier_one():
@@ -243,8 +244,8 @@ def test_no_memory_plays_every_episode_with_a_prompt_that_shows_no_earlier_one()
     plays = {r.episode: r.prompt_text for r in result.rows if r.phase == "play" and r.turn == 0}
     assert plays[2] == plays[0].replace("trial #1", "trial #3")  # the same prompt but for its number
     assert "memory" not in plays[2] and "Trial #1" not in plays[2]
-    with pytest.raises(ValueError, match="reflect must be False"):
-        RunnerConfig(num_episodes=3, memory_mode="none")
+    with pytest.raises(ValueError, match="set rollout.reflect=false"):
+        runner_config(num_episodes=3, memory_mode="none")
 
 
 def test_reflection_words_constrain_reflect_rows_to_a_word_sequence():
@@ -260,10 +261,10 @@ def test_reflection_words_constrain_reflect_rows_to_a_word_sequence():
     assert result.outcomes[0].reflections == ["bets", "bets"]
     third = [r.prompt_text for r in result.rows if r.phase == "play" and r.episode == 2][0]
     assert "Your reflection: bets" in third
-    with pytest.raises(ValueError, match="reflect must be True"):
-        RunnerConfig(num_episodes=3, memory_mode="history_only", reflect=False, reflection_words=("a",))
+    with pytest.raises(ValueError, match="set rollout.reflect=true"):
+        runner_config(num_episodes=3, memory_mode="history_only", reflect=False, reflection_words=("a",))
     with pytest.raises(ValueError, match="distinct"):
-        RunnerConfig(num_episodes=3, reflection_words=("a", "a"))
+        runner_config(num_episodes=3, reflection_words=("a", "a"))
 
 
 def test_a_missing_remark_is_an_empty_reflection_and_an_invalid_row():
@@ -362,9 +363,9 @@ def test_bad_runner_configs_get_one_clear_error():
         (dict(max_prompt_tokens=0), "max_prompt_tokens"),
     ]:
         with pytest.raises(ValueError, match=match):
-            RunnerConfig(**kw)
+            runner_config(**kw)
     with pytest.raises(ValueError, match="unknown environment"):
-        MetaEpisodeRunner("no_such_env", {}, RunnerConfig())
+        MetaEpisodeRunner("no_such_env", {}, runner_config())
 
 
 # ------------------------------------------------------------------------------- Kuhn Poker
@@ -386,7 +387,7 @@ def test_kuhn_meta_episodes_record_payoff_in_chips_and_the_seat():
     policy = ScriptedPolicy(
         lambda p: "<remark>bet more</remark>" if "<remark>" in p else "<action>BET</action>"
     )
-    result = MetaEpisodeRunner("kuhn_poker", {}, RunnerConfig(num_episodes=3)).run(
+    result = MetaEpisodeRunner("kuhn_poker", {}, runner_config(num_episodes=3)).run(
         tasks, policy, training=True
     )
     assert len(result.outcomes) == len(tasks)
@@ -404,7 +405,7 @@ def test_kuhn_meta_episodes_record_payoff_in_chips_and_the_seat():
 def test_kuhn_privileged_reflection_shows_the_opponent_card_only_in_training():
     tasks = kuhn_tasks(num_tasks=3, group_size=1)
     policy = ScriptedPolicy(lambda p: "<remark>r</remark>" if "<remark>" in p else "<action>PASS</action>")
-    cfg = RunnerConfig(num_episodes=2, privileged_reflection=True, keep_text=True)
+    cfg = runner_config(num_episodes=2, privileged_reflection=True, keep_text=True)
     train = MetaEpisodeRunner("kuhn_poker", {}, cfg).run(tasks, policy, training=True)
     evaluation = MetaEpisodeRunner("kuhn_poker", {}, cfg).run(tasks, policy, training=False)
     lost = [o.meta_episode for o in train.outcomes if not o.won[0]]
@@ -418,13 +419,13 @@ def test_kuhn_privileged_reflection_shows_the_opponent_card_only_in_training():
 
 @pytest.mark.parametrize("env_name", ["kuhn_poker", "tic_tac_toe", "sokoban", "minesweeper"])
 def test_the_runner_drives_every_built_in_game_with_consistent_rows_and_outcomes(env_name):
-    from mage_jax.envs import make_env
+    from mage_jax.envs.base import make_env
 
     pool = getattr(make_env(env_name), "opponent_pool", None)
     config = TaskSamplerConfig(num_tasks=3, group_size=2, opponents=pool, seats="mixed" if pool else "first")
     tasks = TaskSampler(config).sample_train(0)
     policy = ScriptedPolicy(lambda p: "<remark>x</remark>" if "<remark>" in p else "forced by the constraint")
-    result = MetaEpisodeRunner(env_name, {}, RunnerConfig(num_episodes=3, constrained_actions=True)).run(
+    result = MetaEpisodeRunner(env_name, {}, runner_config(num_episodes=3, constrained_actions=True)).run(
         tasks, policy, training=True
     )
     assert result.stats["invalid_action_ratio"] == 0.0

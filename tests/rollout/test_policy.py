@@ -9,17 +9,19 @@ from flax import nnx
 
 from mage_jax.generate.constraints import TokenAutomaton, WordSequence
 from mage_jax.generate.sampler import Sampler
+from mage_jax.generate.slots import compiled_engine
+from mage_jax.generate.spec import ModelSpec
 from mage_jax.generate.step import SamplingParams
 from mage_jax.models import sharding as shd
 from mage_jax.models.config import ModelConfig
 from mage_jax.models.transformer import Transformer
-from mage_jax.rollout.meta_episode import MetaEpisodeRunner, RunnerConfig
+from mage_jax.rollout.meta_episode import MetaEpisodeRunner
 from mage_jax.rollout.policy import GenerationRequest, LLMPolicy, Policy, RandomLegalPolicy, ScriptedPolicy
 from mage_jax.rollout.rows import pack_rows
 from mage_jax.rollout.tasks import TaskSampler, TaskSamplerConfig
+from mage_jax.testing import SMALLEST_DECODER, runner_config
 from mage_jax.tokenizer import Tokenizer
 from mage_jax.training.train_step import StepConfig, TrainBatch, TrainStep
-from tests.tiny_models import SMALLEST_DECODER
 
 ACTIONS = ("<action>PASS</action>", "<action>BET</action>")
 WORDS = ("bets", "King", "weak")
@@ -50,7 +52,7 @@ def kuhn_llm():
     tasks = TaskSampler(
         TaskSamplerConfig(num_tasks=4, group_size=2, opponents={"aggressive": 1.0}, seats="mixed")
     ).sample_train(0)
-    cfg = RunnerConfig(num_episodes=2, prompt_style="compact", constrained_actions=True, keep_text=True)
+    cfg = runner_config(num_episodes=2, prompt_style="compact", constrained_actions=True, keep_text=True)
     scripted = ScriptedPolicy(lambda p: "<remark>bet with king</remark>" if "remark" in p else ACTIONS[1])
     corpus = [
         r.prompt_text
@@ -59,21 +61,16 @@ def kuhn_llm():
     tokenizer = Tokenizer.word_level(corpus + list(ACTIONS) + ["<remark> " + " ".join(WORDS) + " </remark>"])
     config = ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size, **SMALLEST_DECODER)
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
-    sampler = Sampler(
-        graphdef,
-        config,
-        eos_ids=tokenizer.eos_ids,
-        pad_id=tokenizer.pad_id,
-        prompt_buckets=(256,),
-        batch_buckets=(8,),
-    )
+    spec = ModelSpec(graphdef, config, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id,
+                     prompt_buckets=(256,))
+    sampler = Sampler(spec, batch_buckets=(8,))
     return tasks, tokenizer, sampler, state
 
 
 def test_llm_policy_plays_constrained_kuhn_meta_episodes_end_to_end(kuhn_llm):
     tasks, tokenizer, sampler, state = kuhn_llm
     policy = LLMPolicy(tokenizer, sampler, state, SamplingParams(max_new_tokens=6), jax.random.key(0), 256)
-    cfg = RunnerConfig(
+    cfg = runner_config(
         num_episodes=2,
         prompt_style="compact",
         constrained_actions=True,
@@ -93,7 +90,7 @@ def test_llm_policy_plays_constrained_kuhn_meta_episodes_end_to_end(kuhn_llm):
     assert len({id(r.constraint) for r in play}) == 1  # one automaton per distinct legal set
     batch = pack_rows(result.rows, row_bucket=8, length_buckets=(128, 256), pad_id=tokenizer.pad_id)
     transitions = batch.row_transitions()
-    assert transitions.shape[0] == batch.shape[0] and transitions.shape[2] == sampler.vocab_size
+    assert transitions.shape[0] == batch.shape[0] and transitions.shape[2] == sampler.spec.vocab_size
 
 
 def test_llm_policy_skips_prompts_it_cannot_feed_to_the_model(kuhn_llm):
@@ -109,7 +106,7 @@ def test_constrained_reflections_are_sampled_under_the_automaton_the_train_step_
     and the train step's recomputed log-probs (automata replayed from the packed rows) are the sampler's."""
     tasks, tokenizer, sampler, state = kuhn_llm
     policy = LLMPolicy(tokenizer, sampler, state, SamplingParams(max_new_tokens=6), jax.random.key(3), 256)
-    cfg = RunnerConfig(num_episodes=3, prompt_style="compact", constrained_actions=True,
+    cfg = runner_config(num_episodes=3, prompt_style="compact", constrained_actions=True,
                        max_prompt_tokens=256, reflection_words=WORDS, reflection_max_words=2, keep_text=True)
     result = MetaEpisodeRunner("kuhn_poker", {}, cfg).run(tasks, policy, training=True)
     reflect = [r for r in result.rows if r.phase == "reflect"]
@@ -119,7 +116,7 @@ def test_constrained_reflections_are_sampled_under_the_automaton_the_train_step_
     assert {t for o in result.outcomes for t in o.reflections} <= {
         " ".join(w) for m in (1, 2) for w in itertools.product(WORDS, repeat=m)}
     packed = pack_rows(result.rows, row_bucket=8, length_buckets=(256,), pad_id=tokenizer.pad_id)
-    step = TrainStep(sampler.graphdef, None, None, StepConfig(constraint_len=6, chunk_size=64),
+    step = TrainStep(sampler.spec.graphdef, None, None, StepConfig(constraint_len=6, chunk_size=64),
                      shd.make_mesh(shd.MeshConfig(data=1, fsdp=1, tensor=1)))
     batch = TrainBatch.from_packed(packed, np.arange(packed.tokens.shape[0]), constrained=True)
     got = np.asarray(step.compute_logprobs(state, step.place_batch(batch)))
@@ -162,13 +159,11 @@ class CountingBackend:
 
 
 def test_the_engine_stream_tokenizes_the_prompts_submitted_together_in_one_call(kuhn_llm):
-    from mage_jax.generate.engine import RolloutEngine
 
     _, tokenizer, sampler, state = kuhn_llm
     counting = CountingTokenizer(tokenizer)
-    engine = RolloutEngine(sampler, slots=2, max_new_tokens=3, chunk=3)
-    policy = LLMPolicy(counting, sampler, state, SamplingParams(max_new_tokens=3), jax.random.key(0), 6,
-                       engine=engine)
+    engine = compiled_engine(sampler.spec, slots=2, max_new_tokens=3, chunk=3)
+    policy = LLMPolicy(counting, engine, state, SamplingParams(max_new_tokens=3), jax.random.key(0), 6)
     stream = policy.stream()
     requests = [GenerationRequest("BET"), GenerationRequest("PASS " * 50), GenerationRequest("PASS BET"),
                 GenerationRequest("BET", ACTIONS)]
@@ -184,12 +179,10 @@ def test_the_engine_stream_tokenizes_the_prompts_submitted_together_in_one_call(
 
 
 def test_policies_over_one_engine_share_their_automata_so_the_bank_factorises_each_once(kuhn_llm):
-    from mage_jax.generate.engine import RolloutEngine
-
     _, tokenizer, sampler, state = kuhn_llm
-    engine = RolloutEngine(sampler, slots=2, max_new_tokens=3, chunk=3)
-    first, second = (LLMPolicy(tokenizer, sampler, state, SamplingParams(max_new_tokens=3), jax.random.key(k),
-                               engine=engine) for k in range(2))
+    engine = compiled_engine(sampler.spec, slots=2, max_new_tokens=3, chunk=3)
+    first, second = (LLMPolicy(tokenizer, engine, state, SamplingParams(max_new_tokens=3), jax.random.key(k))
+                     for k in range(2))
     automaton = first.automaton(ACTIONS)
     assert second.automaton(ACTIONS) is automaton  # a policy per rollout, the automaton built once per run
     assert engine.bank.index(automaton) == engine.bank.index(second.automaton(ACTIONS)) == 1

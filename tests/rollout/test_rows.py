@@ -92,7 +92,7 @@ def test_groups_meta_episodes_and_anchors_get_dense_batch_ids():
 
 
 def test_the_row_batch_feeds_the_algorithms():
-    from mage_jax.algorithms import AdvantageConfig, compute_advantages
+    from mage_jax.algorithms.advantages import AdvantageConfig, compute_advantages
 
     batch = pack_rows(sample_rows(), row_bucket=4, length_buckets=(8,), pad_id=PAD)
     rows = batch.row_batch()

@@ -6,14 +6,19 @@ import numpy as np
 import pytest
 
 from mage_jax import config as C
-from mage_jax.algorithms import RowBatch, credit
+from mage_jax.algorithms.advantages import credit
+from mage_jax.algorithms.returns import RowBatch
 from mage_jax.rollout.attempts import IndependentAttemptsRunner
+from mage_jax.testing import SMALLEST_DECODER
+from mage_jax.tokenizer import Tokenizer
 from mage_jax.training.assemble import (
     advantage_config,
+    build_generation,
     build_tokenizer,
     constraint_length,
     env_options,
     make_eval_runner,
+    make_mesh,
     make_runner,
     make_task_sampler,
     runner_config,
@@ -47,7 +52,7 @@ def test_evaluation_runner_plays_the_evaluation_episodes_in_either_mode():
     assert make_eval_runner(cfg).config.num_episodes == 4
     attempts = make_eval_runner(cfg, "independent")
     assert isinstance(attempts, IndependentAttemptsRunner) and attempts.config.num_episodes == 4
-    assert attempts.base.config.privileged_reflection is False
+    assert attempts.base.config.rollout.privileged_reflection is False
     with pytest.raises(C.ConfigError, match="eval_mode"):
         make_eval_runner(cfg, "sometimes")
 
@@ -59,7 +64,7 @@ def test_constrained_reflection_words_join_the_vocabulary_and_a_resumed_one_must
     cfg = C.validate(C.apply_overrides(C.ExperimentConfig(), words))
     tok = build_tokenizer(cfg, str(tmp_path), make_task_sampler(cfg))
     assert tok.single_token_id("zebra") is not None  # a word no prompt holds
-    assert runner_config(cfg, num_episodes=3).reflection_words == ("bets", "zebra")
+    assert runner_config(cfg, num_episodes=3).rollout.reflection_words == ("bets", "zebra")
     assert constraint_length(cfg) == 8
     assert constraint_length(C.apply_overrides(cfg, {"rollout.max_reflection_tokens": 12})) == 12
     assert constraint_length(C.apply_overrides(cfg, {"rollout.reflection_words": [],
@@ -68,6 +73,23 @@ def test_constrained_reflection_words_join_the_vocabulary_and_a_resumed_one_must
     with pytest.raises(C.ConfigError, match="rollout.reflection_words giraffe are not single tokens") as err:
         build_tokenizer(grown, str(tmp_path), make_task_sampler(grown))  # the saved vocabulary is loaded
     assert "\n" not in str(err.value)
+
+
+def test_a_run_builds_the_engine_or_the_lockstep_sampler_over_one_model_spec():
+    """The engine's model spec is a ``ModelSpec``: an engine run builds no lockstep sampler it would never
+    run, and a lockstep run no engine; the harness of ``mage_jax.testing`` asks for both."""
+    overrides = {**WORD_LEVEL, "model.preset": "tiny", "model.overrides": SMALLEST_DECODER,
+                 "rollout.max_prompt_tokens": 64, "rollout.max_response_tokens": 8}
+    tokenizer = Tokenizer.word_level(["a b c"])
+    engine_run = C.apply_overrides(C.ExperimentConfig(), overrides)
+    gen = build_generation(engine_run, tokenizer, make_mesh(engine_run))
+    assert gen.engine is not None and gen.sampler is None and gen.engine.spec is gen.spec
+    assert gen.spec.prompt_buckets == (64,) and gen.spec.eos_ids == tuple(tokenizer.eos_ids)
+    both = build_generation(engine_run, tokenizer, make_mesh(engine_run), lockstep=True)
+    assert both.engine is not None and both.sampler is not None and both.sampler.spec is both.spec
+    lockstep_run = C.apply_overrides(engine_run, {"rollout.engine": "lockstep"})
+    gen = build_generation(lockstep_run, tokenizer, make_mesh(lockstep_run))
+    assert gen.engine is None and gen.sampler is not None
 
 
 def test_a_run_measures_each_rows_length_penalty_against_the_limit_it_was_generated_under():

@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from experiments import kuhn_poker
-from tests.experiments.conftest import SMOKE_MODEL, _smoke_args
+from mage_jax.testing import SMOKE, smoke_args
 
 TRAINING_PROGRAMS = {"_update_fn", "_grads_fn", "_apply_fn", "logprobs", "init_fn", "gigpo", "all_finite"}
 """The jit names of the train step, the optimizer's initialisation, the advantage estimator and the
@@ -26,7 +26,7 @@ def compiled(caplog) -> list[str]:
 @pytest.mark.slow
 def test_a_second_run_in_the_process_compiles_no_training_program(tmp_path, caplog):
     # A model size of its own, so no earlier test of this process compiled these programs already.
-    args = _smoke_args({"model.overrides": {**SMOKE_MODEL, "intermediate_size": 48}})
+    args = smoke_args({"model.overrides": {**SMOKE["model.overrides"], "intermediate_size": 48}})
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         assert kuhn_poker.main([*args, "--run-dir", str(tmp_path / "first")]) == 0
         first = compiled(caplog)
@@ -35,5 +35,5 @@ def test_a_second_run_in_the_process_compiles_no_training_program(tmp_path, capl
         second = compiled(caplog)
     assert [n for n in second if n in TRAINING_PROGRAMS] == []
     # The first run compiled them (the advantage estimator's shape is not the model's: another test
-    # may have compiled it first).
-    assert {"_update_fn", "logprobs", "init_fn", "all_finite"} <= set(first)
+    # may have compiled it first; the smoke run's one update of one mini-batch recomputes no log-probs).
+    assert {"_update_fn", "init_fn", "all_finite"} <= set(first)

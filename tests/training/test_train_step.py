@@ -286,6 +286,28 @@ def test_train_batches_hold_every_real_row_once_and_mask_the_padding():
     assert (gathered[2:] == 0).all()
 
 
+def test_an_abstract_train_batch_has_the_shapes_and_dtypes_of_a_real_one():
+    """``TrainBatch.abstract`` (ahead-of-time lowering) describes what ``from_packed`` and the trainer's
+    old / reference log-probs make: leaf by leaf, shape and dtype."""
+    from mage_jax.rollout.rows import Row, pack_rows
+
+    rows = [Row(group=0, meta_episode=i, episode=0, turn=0, step=0, phase="play", anchor="a", opponent=None,
+                seat=0, prompt_ids=np.array([1, 2], np.int32), response_ids=np.array([3], np.int32),
+                logprobs=np.zeros(1, np.float32), env_reward=float(i), valid=True) for i in range(3)]
+    packed = pack_rows(rows, row_bucket=4, length_buckets=(4,), pad_id=0)
+    idx = np.array([0, 1, 2, -1])
+    recompute = TrainBatch.from_packed(packed, idx, length=3)
+    update = TrainBatch.from_packed(packed, idx, length=3, advantages=np.zeros(4, np.float32)).replace(
+        old_logprobs=np.zeros((4, 3), np.float32), ref_logprobs=np.zeros((4, 3), np.float32))
+
+    def described(batch):
+        return jax.tree.map(lambda a: (a.shape, np.dtype(a.dtype)), batch)
+
+    assert described(TrainBatch.abstract(4, 3, update=False)) == described(recompute)
+    assert described(TrainBatch.abstract(4, 3, update=True, reference=True)) == described(update)
+    assert TrainBatch.abstract(4, 3, update=True).ref_logprobs is None
+
+
 def test_the_entropy_bonus_is_subtracted_from_the_loss(model, step):
     """With zero advantages, before the policy moves from the KL reference, the loss the update
     descends is exactly -entropy_coef x entropy: a bonus (a flipped sign would punish entropy)."""

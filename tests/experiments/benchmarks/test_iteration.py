@@ -4,12 +4,11 @@ of each iteration (rollout, old and reference log-probs, updates) in wall, CPU a
 import json
 
 from experiments.benchmarks.iteration import PHASES, main
+from mage_jax.testing import SMOKE
 
 
 def test_every_iteration_reports_its_phases_and_the_first_one_compiles(tiny_hf_model, tmp_path,
                                                                         compilation_cache):
-    from tests.experiments.conftest import SMOKE
-
     out = tmp_path / "iteration.json"
     sets = {"model.overrides": {**SMOKE["model.overrides"], "max_position_embeddings": 40960},
             "rollout.num_tasks": 1, "rollout.group_size": 2, "rollout.num_episodes": 2,

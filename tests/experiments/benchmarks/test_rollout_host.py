@@ -10,12 +10,13 @@ from experiments.benchmarks.rollout_host import main
 from experiments.benchmarks.stand_in_device import (
     QWEN_VOCAB,
     DeviceCosts,
-    SleepKernels,
-    StandInSampler,
+    StandInPrograms,
     measure_cpu_costs,
+    stand_in_spec,
 )
-from mage_jax.generate.bank import ConstraintBank
+from mage_jax.generate.spec import SlotPrograms
 from mage_jax.generate.step import KEY_PATH_LEN
+from mage_jax.models.config import ModelConfig
 from mage_jax.tokenizer import Tokenizer
 
 
@@ -71,25 +72,26 @@ def test_stand_in_programs_cost_their_own_time_on_one_device_timeline():
     steps it ran), a move its own; they queue on one device, dispatch does not wait, and reading a
     program's output waits until the device has run it (like a dispatched JAX array)."""
     tokenizer = Tokenizer.word_level(["a b c d e f"], vocab_size=64)
-    sampler = StandInSampler(tokenizer, vocab_size=64)
+    spec = stand_in_spec(tokenizer, ModelConfig.preset("tiny", vocab_size=64))
     costs = DeviceCosts({1: 0.04, 4: 0.08}, {64: 0.12, 128: 0.24}, 0.02)
-    kernels = SleepKernels(sampler, ConstraintBank(64), slots=4, chunk=4, max_new_tokens=8,
-                           free_tokens=[5, 6, 7, 8, 9, 10], costs=costs, slot_levels=2)
-    assert kernels.slot_buckets == (1, 4)
-    slots = kernels.empty()
+    programs = StandInPrograms(spec, slots=4, chunk=4, max_new_tokens=8, free_tokens=[5, 6, 7, 8, 9, 10],
+                               costs=costs, slot_levels=2)
+    assert isinstance(programs, SlotPrograms)  # what the engine sees of its programs
+    assert programs.slot_buckets == (1, 4)
+    slots = programs.empty()
     started = time.perf_counter()
-    slots = kernels.insert(None, slots, [[2] * 100], [0, 0], [0, 1], [6, 6], [0, 0],
+    slots = programs.insert(None, slots, [[2] * 100], [0, 0], [0, 1], [6, 6], [0, 0],
                            np.zeros((2, KEY_PATH_LEN), np.int32), None, None)
-    slots, steps = kernels.decode(None, slots, None, None, None, 4)
-    moved = kernels.move(slots, [(1, 2)])
+    slots, steps = programs.decode(None, slots, None, None, None, 4)
+    moved = programs.move(slots, [(1, 2)])
     assert time.perf_counter() - started < 0.2  # nothing waited (the insert alone costs 0.24 s)
-    assert kernels.device_s == {"insert": 0.24, "decode": 0.08, "move": 0.02}  # bucket 128, 4 steps of 4
-    assert kernels.prompt_buckets_seen == {128}
+    assert programs.device_s == {"insert": 0.24, "decode": 0.08, "move": 0.02}  # bucket 128, 4 steps of 4
+    assert programs.prompt_buckets_seen == {128}
     assert int(steps) == 4 and time.perf_counter() - started >= 0.32
     assert np.asarray(moved.done).tolist() == [False, True, False, True]
     assert time.perf_counter() - started >= 0.34
-    slots, steps = kernels.decode(None, moved, None, None, None, 1)  # one slot left, 1 step of 4
-    assert int(steps) == 1 and kernels.device_s["decode"] == 0.08 + 0.04 / 4
+    slots, steps = programs.decode(None, moved, None, None, None, 1)  # one slot left, 1 step of 4
+    assert int(steps) == 1 and programs.device_s["decode"] == 0.08 + 0.04 / 4
 
 
 def test_cpu_costs_are_measured_on_the_real_programs():

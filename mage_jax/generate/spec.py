@@ -1,0 +1,178 @@
+"""The two seams of generation: what every program needs of the model, and what the engine needs of its
+slot programs.
+
+* ``ModelSpec``: the model graph and config, the special ids, the prompt buckets, the cache dtype, the
+  mesh and the parameter shardings. The lockstep sampler (``sampler.Sampler``), the slot programs
+  (``slots.CompiledSlotPrograms``) and the rollout engine (``engine.RolloutEngine``) each take one; a run
+  builds it once (``training.assemble.make_spec``).
+* ``SlotPrograms``: exactly the members the rollout engine (``engine.EngineSession``) uses of the programs
+  over its decode slots (insert, decode chunk, packing move, the shapes that pick them) and ``SlotState``
+  the slot fields it reads back. ``slots.CompiledSlotPrograms`` implements them on the device; the host
+  benchmark's stand-in (``experiments/benchmarks/stand_in_device.py``) with programs that only book time.
+  The engine holds no other view of its programs, so a member it starts to use is a change here, where
+  every implementation sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+
+from mage_jax.generate.bank import Bank
+from mage_jax.generate.shapes import sorted_buckets
+from mage_jax.generate.step import SamplingParams
+
+DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelSpec:
+    """What every generation program needs of the model; see the module docstring.
+
+    ``graphdef`` comes from ``nnx.split(model)``; ``config`` is its ``ModelConfig``. ``eos_ids`` stop a
+    row; ``pad_id`` fills left padding and the unused tail of responses; prompts are left-padded to the
+    smallest of ``prompt_buckets`` that holds them. With a ``mesh`` (axes 'data', 'fsdp', 'tensor' of
+    ``mage_jax.models.sharding``) the state is placed with ``state_shardings`` (default: the partition
+    rules), rows and the KV cache over ('data', 'fsdp') and kv heads over 'tensor'; without one everything
+    stays where it is.
+    """
+
+    graphdef: Any
+    config: Any
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    prompt_buckets: tuple[int, ...] = DEFAULT_PROMPT_BUCKETS
+    cache_dtype: Any = None
+    mesh: jax.sharding.Mesh | None = None
+    state_shardings: Any = None
+    _placed: dict[str, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    """The partition rules' shardings once computed (``place_state`` without ``state_shardings``)."""
+
+    def __post_init__(self) -> None:
+        eos = tuple(int(i) for i in self.eos_ids)
+        if not eos:
+            raise ValueError("generation needs at least one EOS id")
+        object.__setattr__(self, "eos_ids", eos)
+        object.__setattr__(self, "pad_id", int(self.pad_id))
+        object.__setattr__(self, "prompt_buckets", sorted_buckets(self.prompt_buckets, "prompt_buckets"))
+        for tid in (*eos, self.pad_id):
+            if not 0 <= tid < self.vocab_size:
+                raise ValueError(
+                    f"special token id {tid} is outside the model vocabulary [0, {self.vocab_size})")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def program_key(self) -> tuple:
+        """What selects a compiled program besides its shapes: programs built for two specs with the same
+        key are interchangeable (``slots.CompiledSlotPrograms.shared``)."""
+        return (self.graphdef, self.config, self.eos_ids, self.pad_id, self.prompt_buckets, self.cache_dtype,
+                self.mesh)
+
+    def mesh_context(self) -> contextlib.AbstractContextManager:
+        """The mesh set for tracing and running a program (nothing without one)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def place_state(self, state: Any) -> Any:
+        """``state`` placed with the parameter shardings (as it is without a mesh or shardings)."""
+        if self.mesh is None and self.state_shardings is None:
+            return state
+        shardings = self.state_shardings
+        if shardings is None:
+            if "rules" not in self._placed:
+                from mage_jax.models.sharding import param_shardings
+
+                self._placed["rules"] = param_shardings(state, self.mesh)
+            shardings = self._placed["rules"]
+        return jax.device_put(state, shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Donor:
+    """A slot whose cache positions ``bucket - length .. bucket - 1`` hold a prompt's keys and values
+    (and whose ``prompt_hidden`` its last hidden state): a later request with the same prompt copies them
+    instead of prefilling. Valid until the slot is given to another request (decode writes start at
+    ``bucket``)."""
+
+    slot: int
+    bucket: int
+    length: int
+
+
+@runtime_checkable
+class SlotState(Protocol):
+    """What the engine reads back of its slots (``models.sharding.to_host`` of each field), per slot:
+    done (EOS, limit reached or free), finished (ended with EOS), response tokens drawn so far, the tokens
+    and their log-probs."""
+
+    done: Any
+    finished: Any
+    length: Any
+    tokens: Any
+    logprobs: Any
+
+
+@runtime_checkable
+class SlotPrograms(Protocol):
+    """The programs over ``num_slots`` decode slots that the rollout engine schedules; see the module
+    docstring. Slots lie in ``ways`` device blocks of ``local_slots``; an insert starts at most
+    ``insert_rows`` requests per block; a decode chunk runs up to ``chunk`` steps; responses hold at most
+    ``max_new_tokens`` tokens."""
+
+    num_slots: int
+    ways: int
+    local_slots: int
+    insert_rows: int
+    chunk: int
+    max_new_tokens: int
+    compile_count: int
+    """Programs traced so far (a warm engine traces none)."""
+    last_insert_bytes: tuple[int, int]
+    """(all, automaton indices): host -> device bytes of the latest insert's arguments."""
+
+    def empty(self) -> SlotState:
+        """Free slots (every one done)."""
+        ...
+
+    def insert(self, state: Any, slots: Any, prompts: Sequence[Sequence[int]], source: Sequence[int],
+               targets: Sequence[int], limits: Sequence[int], rules: Sequence[int], key_paths: np.ndarray,
+               params: SamplingParams, key: jax.Array, donors: Sequence[Donor | None] | None = None, *,
+               bank: Bank | None = None) -> SlotState:
+        """Prefill the distinct ``prompts`` once and start request t in slot ``targets[t]`` from prompt
+        ``source[t]`` (or from ``donors[t]``'s copy of it), ``limits[t]`` new tokens, automaton ``rules[t]``
+        of ``bank``, key path ``key_paths[t]``; its first token is drawn from the prefill."""
+        ...
+
+    def decode(self, state: Any, slots: Any, params: SamplingParams, key: jax.Array,
+               window: int | None = None, bucket: int | None = None, *,
+               bank: Bank | None = None) -> tuple[SlotState, Any]:
+        """Up to ``chunk`` steps of the decoding slots among the first ``bucket`` of every block, attending
+        over the first ``window`` cache positions; (slots, steps run)."""
+        ...
+
+    def move(self, slots: Any, moves: Sequence[tuple[int, int]]) -> SlotState:
+        """Move slot ``src`` to slot ``dst`` (same block) for each pair, freeing the sources."""
+        ...
+
+    def slot_bucket(self, highest_local: int) -> int:
+        """The smallest slot bucket (per block) that holds local slot index ``highest_local``."""
+        ...
+
+    def window(self, furthest_write: int) -> int:
+        """The cache prefix a chunk attends over when its furthest slot writes at ``furthest_write``."""
+        ...
+
+    def prompt_bucket(self, prompts: Sequence[Sequence[int]], donors: Sequence[Donor | None]) -> int:
+        """The prompt bucket of an insert: it holds the longest prompt and every donor's bucket."""
+        ...
+
+    def bank_sharding(self) -> Any:
+        """Where the engine's constraint bank lives (None: unplaced)."""
+        ...

@@ -1,0 +1,57 @@
+"""The credit phase of an iteration: the rollout's rows packed, one advantage per row, and the train
+step's mini-batches cut from them (docs/method.md §4-5).
+
+Pure in the rows and the config: the trainer's later phases (log-prob recompute, update epochs) read
+the ``Credited`` rows through ``Credited.batch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from mage_jax import config as C
+from mage_jax.algorithms.advantages import compute_advantages
+from mage_jax.rollout.rows import PackedBatch, Row, pack_rows, pick_bucket
+from mage_jax.training.assemble import advantage_config
+from mage_jax.training.train_step import TrainBatch
+
+ADVANTAGE_ROWS = 512
+"""The smallest row count the advantage estimator runs at (padding rows are masked): one compile per
+power of two from there, and a run whose row count wanders (the main job: 256 to 512) compiles it once."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Credited:
+    """An iteration's rows packed, their advantages, every real row's tokens (prompt + response) and the
+    token length buckets of the train step."""
+
+    packed: PackedBatch
+    advantages: np.ndarray
+    row_lengths: np.ndarray
+    length_buckets: tuple[int, ...]
+
+    def batch(self, idx: np.ndarray, *, with_advantages: bool) -> TrainBatch:
+        """Rows ``idx`` (-1: padding) cut to the token length bucket the longest of them needs."""
+        real = idx[idx >= 0]
+        longest = max(int(self.row_lengths[real].max()) if len(real) else 1, 1)
+        return TrainBatch.from_packed(self.packed, idx, length=pick_bucket(longest, self.length_buckets),
+                                      advantages=self.advantages if with_advantages else None,
+                                      constrained=self.packed.constraint_table is not None)
+
+
+def credit(cfg: C.ExperimentConfig, rows: Sequence[Row], *, length_buckets: tuple[int, ...],
+           pad_id: int) -> Credited:
+    """``rows`` packed in mini-batch blocks with one advantage each (``algorithm.estimator``)."""
+    packed = pack_rows(rows, row_bucket=cfg.optim.mini_batch_rows, length_buckets=length_buckets,
+                       pad_id=pad_id)
+    n = packed.num_rows
+    if n and int(packed.response_lengths[:n].max()) > cfg.rollout.max_new_tokens:  # the head span
+        raise ValueError("a response is longer than rollout.max_new_tokens")
+    rows_bucket = max(ADVANTAGE_ROWS, 1 << max(len(packed.mask) - 1, 0).bit_length())
+    advantages = np.asarray(compute_advantages(cfg.algorithm.estimator, packed.row_batch(rows_bucket),
+                                               advantage_config(cfg)))[:len(packed.mask)]
+    lengths = (packed.prompt_lengths + packed.response_lengths)[:n]
+    return Credited(packed, advantages, lengths, length_buckets)
