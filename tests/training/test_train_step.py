@@ -373,21 +373,28 @@ def test_micro_batches_give_the_whole_mini_batch_gradients_and_metrics(model, ag
         np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6)
 
 
-def test_a_micro_batch_of_padding_rows_only_is_skipped(model):
-    """The padded tail of a short mini-batch is not run through the model: with non-finite values in
-    the padding-only micro-batch (rows 3 and 7), which would make its zero-weighted loss NaN, the
-    gradients and metrics are those of the same batch with finite padding."""
+def _gradients_of(model, config: StepConfig):
+    """(step, state, run): ``run(arrays)`` gives the gradients and metrics of the batch ``arrays``
+    (a dict of ``TrainBatch`` fields) from the step's gradient program, as numpy and floats."""
     _, mesh, graphdef, params = model
-    config = StepConfig(chunk_size=5, kl_coef=0.1, entropy_coef=0.01, micro_batch_rows=2)
     step = shared_train_step(graphdef, *sgd(1.0), config, mesh)
     state = step.init_state(jax.device_put(params, may_alias=False))
     grads_program, _ = step.update_programs(step.state_shardings(state))
 
-    def run(b):
+    def run(arrays):
         with jax.set_mesh(mesh):
-            grads, metrics = grads_program(state.params, step.place_batch(TrainBatch(**b)))
+            grads, metrics = grads_program(state.params, step.place_batch(TrainBatch(**arrays)))
         return jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
 
+    return step, state, run
+
+
+def test_a_micro_batch_of_padding_rows_only_is_skipped(model):
+    """The padded tail of a short mini-batch is not run through the model: with non-finite values in
+    the padding-only micro-batch (rows 3 and 7), which would make its zero-weighted loss NaN, the
+    gradients and metrics are those of the same batch with finite padding."""
+    _, _, run = _gradients_of(model, StepConfig(chunk_size=5, kl_coef=0.1, entropy_coef=0.01,
+                                                micro_batch_rows=2))
     poisoned = micro_batch_rows_batch()
     for name in ("old_logprobs", "ref_logprobs", "advantages"):
         poisoned[name][[3, 7]] = np.nan
@@ -481,18 +488,9 @@ def test_real_rows_fill_the_first_micro_batches_and_padding_the_last():
 def test_an_update_without_old_logprobs_uses_its_own_forward_pass_as_the_recompute(model):
     """An iteration's only update: log pi_old taken from the update's forward pass (held constant) gives
     the gradients and metrics of the update given the recomputed old log-probs."""
-    _, mesh, graphdef, params = model
     b = micro_batch_rows_batch()
-    config = StepConfig(chunk_size=5, kl_coef=0.1, entropy_coef=0.01, response_len=5)
-    step = shared_train_step(graphdef, *sgd(1.0), config, mesh)
-    state = step.init_state(jax.device_put(params, may_alias=False))
-    grads_program, _ = step.update_programs(step.state_shardings(state))
-
-    def run(batch):
-        with jax.set_mesh(mesh):
-            grads, metrics = grads_program(state.params, step.place_batch(TrainBatch(**batch)))
-        return jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
-
+    step, state, run = _gradients_of(model, StepConfig(chunk_size=5, kl_coef=0.1, entropy_coef=0.01,
+                                                       response_len=5))
     b.pop("old_logprobs")
     fused_grads, fused = run(b)
     recomputed = np.asarray(step.compute_logprobs(state.params, step.place_batch(TrainBatch(**b))))

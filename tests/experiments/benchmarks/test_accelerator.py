@@ -13,6 +13,7 @@ from experiments.benchmarks import accelerator, accelerator_correctness
 from experiments.benchmarks.accelerator import STAGES
 from experiments.benchmarks.accelerator_correctness import comparison, greedy_agreement
 from experiments.benchmarks.accelerator_stages import TINY, StageInput
+from tests.optional import require
 
 DECODER_CHECKS = {f"decoder_{what}/{arch}/{dtype}" for what in ("logits", "greedy")
                   for arch in ("qwen3", "llama") for dtype in ("float32", "bfloat16")}
@@ -103,6 +104,7 @@ def test_every_tiny_correctness_check_compares_something_real(tmp_path, group):
     checks = accelerator_correctness
     given = StageInput(TINY, {}, None, str(tmp_path))
     if group.startswith("decoder/"):
+        require("torch")  # the decoders' oracle is the HF PyTorch model
         arch = group.split("/")[1]
         results = checks.decoder_checks(given, arch)
         assert {c["name"] for c in results} == {n for n in DECODER_CHECKS if f"/{arch}/" in n}
@@ -120,6 +122,7 @@ def test_every_tiny_correctness_check_compares_something_real(tmp_path, group):
 
 @pytest.mark.slow
 def test_the_tiny_train_and_decode_stages_measure_against_their_peers(tmp_path):
+    require("torch")  # the peers of both stages are PyTorch's
     stages, _ = tiny_run(tmp_path, "--stages", "environment,train,decode")
     train = stages["train"]
     for side in ("ours", "torch"):
