@@ -115,6 +115,25 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     _tpu("tpu-v6e", "v6e:2x4"),  # v6e-8: 8 chips
 )}
 
+DEVICE_KINDS: tuple[tuple[str, str], ...] = (
+    ("H100", "h100-80gb"), ("H200", "h200-141gb"), ("A100", "a100-40gb"), ("L4", "l4-24gb"),
+    ("T4", "t4-16gb"),
+    ("TPU v4", "tpu-v4"), ("TPU v5 lite", "tpu-v5e-1"), ("TPU v5e", "tpu-v5e-1"), ("TPU v5p", "tpu-v5p"),
+    ("TPU v5", "tpu-v5p"), ("TPU v6 lite", "tpu-v6e-1"), ("TPU v6e", "tpu-v6e-1"),
+)
+"""What JAX's ``device_kind`` says (e.g. ``NVIDIA H200``, ``TPU v5 lite``) -> the hardware whose data sheet
+gives its peak rates, first match wins (so ``TPU v5 lite`` is a v5e before the bare ``TPU v5`` of a v5p)."""
+
+
+def hardware_for_device_kind(kind: str) -> Hardware | None:
+    """The hardware of a device by its ``device_kind`` (its per-device rates are what the accelerator
+    check's predictions use), or None for a device without a data sheet here (a CPU)."""
+    for pattern, name in DEVICE_KINDS:
+        if re.search(rf"(^|\s){re.escape(pattern)}(\s|$|-)", kind):
+            return HARDWARE[name]
+    return None
+
+
 TOPOLOGY_PATTERN = re.compile(r"^(v4|v5e|v5p|v6e):(\d+)x(\d+)(?:x(\d+))?$")
 
 

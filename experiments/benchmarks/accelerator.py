@@ -45,9 +45,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments import targets
 from experiments.benchmarks import accelerator_stages as stages
 from experiments.benchmarks.accelerator_correctness import correctness
 from experiments.benchmarks.accelerator_stages import DEFAULT, TINY, StageInput
+from experiments.targets import Hardware
 
 STAGES: dict[str, Callable[[StageInput], dict[str, Any]]] = {
     "environment": stages.environment,
@@ -141,6 +143,9 @@ class TargetRow:
     measured: str
     target: str = ""
     met: bool | None = None
+    predicted: str = ""
+    """The roofline of the same work at the device's data-sheet rates (``predict_train``,
+    ``predict_decode``): what the first run on a device compares its measurement with."""
 
 
 def _fmt(value: float | None, spec: str = ".3g", suffix: str = "") -> str:
@@ -151,16 +156,58 @@ def _at_least(value: float | None, goal: float) -> bool | None:
     return None if value is None else value >= goal
 
 
+REMAT_RECOMPUTE = {"full": 2.0}
+"""Per remat policy: the FLOPs per parameter and token its backward pass recomputes (a full remat runs
+the forward again: 2 N beside the 6 N of forward and backward)."""
+
+
+def device_hardware(stages: Mapping[str, Mapping[str, Any]]) -> Hardware | None:
+    """The data sheet of the device the environment stage found (None: a CPU or an unknown device)."""
+    kind = stages.get("environment", {}).get("device_kind")
+    return targets.hardware_for_device_kind(kind) if kind else None
+
+
+def predict_train(stage: Mapping[str, Any], hardware: Hardware) -> dict[str, float] | None:
+    """The train step's roofline on ``hardware``: its FLOPs (6 N per token and the remat's recomputation)
+    at the dense bf16 peak. The MFU bound is 6 N over what the step computes (0.75 under full remat)."""
+    if "flops_per_step" not in stage or "tokens_per_step" not in stage:
+        return None
+    params = stage["flops_per_step"] / (6.0 * stage["tokens_per_step"])
+    remat = stage.get("ours", {}).get("remat")
+    flops = stage["flops_per_step"] + REMAT_RECOMPUTE.get(remat, 0.0) * params * stage["tokens_per_step"]
+    seconds = flops / hardware.bf16_flops
+    return {"seconds": seconds, "tokens_per_s": stage["tokens_per_step"] / seconds,
+            "mfu": stage["flops_per_step"] / flops}
+
+
+def predict_decode(stage: Mapping[str, Any], hardware: Hardware) -> dict[str, float] | None:
+    """The decode step's roofline on ``hardware``: the least bytes a step reads (parameters and the live
+    KV cache) at the memory bandwidth; tokens per second are the rows over that time."""
+    if "bytes_per_step" not in stage:
+        return None
+    seconds = stage["bytes_per_step"] / hardware.bandwidth
+    return {"seconds": seconds, "tokens_per_s": stage["rows"] / seconds}
+
+
+def _measured_share(measured: float | None, predicted: float) -> str:
+    return "" if measured is None else f"; measured {measured / predicted:.2f} of it"
+
+
 def target_rows(stages: Mapping[str, Mapping[str, Any]]) -> list[TargetRow]:
-    """The table's lines, from the stages' results (stages that failed give their error)."""
+    """The table's lines, from the stages' results (stages that failed give their error), each with the
+    roofline prediction of its device's data sheet where one applies."""
     rows = []
+    hardware = device_hardware(stages)
     for name, s in stages.items():
         if s.get("status") != "ok":
             rows.append(TargetRow(name, f"error: {s.get('error', '?')}", "finishes", False))
         elif name == "environment":
+            sheet = ("" if hardware is None else f"data sheet ({hardware.name}): "
+                     f"{hardware.bf16_flops / 1e12:,.0f} TFLOP/s dense bf16, "
+                     f"{hardware.bandwidth / 1e9:,.0f} GB/s")
             rows.append(TargetRow(name, f"{s['device_kind']} ({s['backend']}): bf16 matmul "
                                         f"{_fmt(s['matmul_bf16_tflops'])} TFLOP/s, copy "
-                                        f"{_fmt(s['copy_gbps'])} GB/s"))
+                                        f"{_fmt(s['copy_gbps'])} GB/s", predicted=sheet))
         elif name == "correctness":
             passed = sum(c["pass"] for c in s["checks"])
             failed = [c["name"] for c in s["checks"] if not c["pass"]]
@@ -169,18 +216,26 @@ def target_rows(stages: Mapping[str, Mapping[str, Any]]) -> list[TargetRow]:
             rows.append(TargetRow(name, text, "all pass", bool(s["all_pass"])))
         elif name == "train":
             mfu, ratio = s["ours"]["mfu"], (s["ratio_ours_over_torch"] or {}).get("median")
+            roof = None if hardware is None else predict_train(s, hardware)
+            predicted = "" if roof is None else (
+                f"{roof['seconds']:.3g} s / step, {roof['tokens_per_s']:,.0f} tok/s, MFU {roof['mfu']:.2f}"
+                + _measured_share(s["ours"].get("tokens_per_s"), roof["tokens_per_s"]))
             rows.append(TargetRow(name, f"MFU {_fmt(mfu)} of measured bf16 matmul "
                                         f"({_fmt(s['ours']['tokens_per_s'], '.0f')} tok/s)", "MFU >= 0.45",
-                                  _at_least(mfu, 0.45)))
+                                  _at_least(mfu, 0.45), predicted))
             rows.append(TargetRow(name, f"{_fmt(ratio)}x PyTorch tok/s "
                                         f"({_fmt(s['torch'].get('tokens_per_s'), '.0f')} tok/s)", ">= 1.0x",
                                   _at_least(ratio, 1.0)))
         elif name == "decode":
             fraction, ratio = s["fraction_of_copy_bandwidth"], s["decode_ratio_ours_over_hf"]
             rate = (s["ours"]["decode_tokens_per_s"] or {}).get("median")
+            roof = None if hardware is None else predict_decode(s, hardware)
+            predicted = "" if roof is None else (
+                f"{roof['seconds'] * 1e3:.3g} ms / step, {roof['tokens_per_s']:,.0f} tok/s"
+                + _measured_share(rate, roof["tokens_per_s"]))
             rows.append(TargetRow(name, f"{_fmt(fraction)} of copy bandwidth at {s['rows']} rows "
                                         f"({_fmt(rate, '.0f')} tok/s)", ">= 0.6 at 64 rows",
-                                  _at_least(fraction, 0.6) if s["rows"] == 64 else None))
+                                  _at_least(fraction, 0.6) if s["rows"] == 64 else None, predicted))
             rows.append(TargetRow(name, f"{_fmt(ratio)}x HF generate decode tok/s", ">= 2x",
                                   _at_least(ratio, 2.0)))
         elif name == "decode_layout":
@@ -208,10 +263,14 @@ def markdown(report: Mapping[str, Any]) -> str:
     lines = [f"Accelerator check ({report['sizes']} sizes) on {device}, {report['started']}"]
     if env.get("versions"):
         lines.append(", ".join(f"{name} {version}" for name, version in env["versions"].items() if version))
-    lines += ["", "| stage | measured | target | met |", "|---|---|---|---|"]
+    lines += ["", "| stage | measured | predicted | target | met |", "|---|---|---|---|---|"]
     for row in target_rows(report["stages"]):
         met = {True: "yes", False: "no", None: ""}[row.met]
-        lines.append(f"| {row.stage} | {row.measured} | {row.target} | {met} |")
+        lines.append(f"| {row.stage} | {row.measured} | {row.predicted} | {row.target} | {met} |")
+    hardware = device_hardware(report["stages"])
+    lines.append("" if hardware is None else
+                 f"\nPredicted: rooflines at the {hardware.name} data sheet's dense bf16 rate and memory "
+                 "bandwidth (experiments/targets.py), not measurements.")
     return "\n".join(lines) + "\n"
 
 

@@ -283,3 +283,32 @@ def test_the_default_sizes_are_valid_inputs_of_the_entry_points_they_drive(tiny_
     cfg = environment("kuhn_poker").config("small", overrides)
     assert (cfg.train.iterations, cfg.rollout.num_tasks, cfg.rollout.group_size) == (2, 4, 4)
     assert DEFAULT.decode_rows == 64 and DEFAULT.train_model["num_hidden_layers"] == 28
+
+
+def test_the_predicted_column_is_the_roofline_of_the_device_data_sheet():
+    """On an H200 (989 TFLOP/s dense bf16, 4.8 TB/s): a full-remat train step computes 8 N per token, so
+    its MFU bound is 6 / 8; a decode step reads its bytes once at the bandwidth. A CPU has no data sheet:
+    nothing is predicted."""
+    n, tokens = 0.6e9, 4 * 2048
+    train = {"status": "ok", "tokens_per_step": tokens, "flops_per_step": 6 * n * tokens,
+             "ours": {"mfu": 0.3, "tokens_per_s": 60_000.0, "remat": "full"}, "torch": {"tokens_per_s": 1.0},
+             "ratio_ours_over_torch": {"median": 1.8}}
+    decode = {"status": "ok", "rows": 64, "bytes_per_step": 4.8e9, "fraction_of_copy_bandwidth": 0.3,
+              "decode_ratio_ours_over_hf": 3.0, "ours": {"decode_tokens_per_s": {"median": 6_400.0}}}
+    env = {"status": "ok", "device_kind": "NVIDIA H200", "backend": "gpu", "matmul_bf16_tflops": 780.0,
+           "copy_gbps": 2500.0}
+    rows = accelerator.target_rows({"environment": env, "train": train, "decode": decode})
+    step = 8 * n * tokens / 989e12
+    assert rows[0].predicted == "data sheet (h200-141gb): 989 TFLOP/s dense bf16, 4,800 GB/s"
+    assert rows[1].predicted == (f"{step:.3g} s / step, {tokens / step:,.0f} tok/s, MFU 0.75; "
+                                 f"measured {60_000 * step / tokens:.2f} of it")
+    assert rows[2].predicted == "" and rows[4].predicted == ""  # the PyTorch and HF ratios: no roofline
+    assert rows[3].predicted == "1 ms / step, 64,000 tok/s; measured 0.10 of it"  # 4.8 GB at 4.8 TB/s
+    no_remat = accelerator.predict_train({**train, "ours": {**train["ours"], "remat": "none"}},
+                                         accelerator.device_hardware({"environment": env}))
+    assert no_remat["mfu"] == 1.0
+    cpu = {**env, "device_kind": "cpu"}
+    assert all(r.predicted == "" for r in accelerator.target_rows({"environment": cpu, "train": train}))
+    report = {"sizes": "default", "started": "now", "stages": {"environment": env, "train": train}}
+    table = accelerator.markdown(report)
+    assert "| stage | measured | predicted | target | met |" in table and "not measurements" in table
