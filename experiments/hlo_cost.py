@@ -463,9 +463,12 @@ def _runs(module: Module, loops: Mapping[str, list[tuple[str, int | None]]],
 
 
 def _callees(instruction: Instruction, *, loops: bool = True) -> list[str]:
-    """The computations ``instruction`` calls (``loops``: a while's body and condition too)."""
+    """The computations ``instruction`` calls (``loops``: a while's body and condition too). A
+    conditional names its branches ``branch_computations={...}`` (XLA:CPU) or, when boolean,
+    ``true_computation`` / ``false_computation`` (the GPU and TPU compilers)."""
     names = []
-    for key in ("body", "condition", "calls", "to_apply") if loops else ("calls", "to_apply"):
+    called = ("calls", "to_apply", "true_computation", "false_computation")
+    for key in ("body", "condition", *called) if loops else called:
         value = instruction.attribute(key)
         if value is not None:
             names.append(value)

@@ -143,3 +143,32 @@ def test_an_attribute_the_host_parser_rejects_is_dropped_and_the_program_still_c
     assert marked != text
     assert hlo_cost.program_cost(marked, "cpu") == hlo_cost.program_cost(text, "cpu")
     assert hlo_cost.program_cost(text, "cpu").flops >= MATMUL
+
+
+def test_a_loop_inside_a_two_way_conditional_is_counted_as_often_as_it_runs():
+    """A scan inside ``lax.cond`` inside a scan (the gradient program's micro-batches skip padding that
+    way). XLA:CPU writes the conditional with ``branch_computations``; the GPU and TPU compilers write a
+    boolean one with ``true_computation`` / ``false_computation``, whose loops were counted once (the
+    8 x H100 gradient program of ``paper`` at 0.03 of the model's FLOPs). Both forms count 3 x 10."""
+
+    def inner(c, w):
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), c, w)[0]
+
+    def outer(x, w):
+        def body(c, _):
+            return jax.lax.cond(c[0, 0] > -5.0, lambda c: inner(c, w), lambda c: c * 2.0, c), None
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+    text = _compiled(outer, (N, N), (10, N, N))
+    case = re.search(r"(\n\s*)(%\S+) = (.*) conditional\((%[\w.\-]+), (.*)\), "
+                     r"branch_computations=\{(%[\w.\-]+), (%[\w.\-]+)\}", text)
+    indent, name, result, index, operands, branch0, branch1 = case.groups()
+    boolean = (f"{indent}%zero_index = s32[] constant(0)"
+               f"{indent}%is_one = pred[] compare({index}, %zero_index), direction=NE"
+               f"{indent}{name} = {result} conditional(%is_one, {operands}), true_computation={branch1}, "
+               f"false_computation={branch0}")
+    predicated = text[:case.start()] + boolean + text[case.end():]
+    assert "branch_computations" not in predicated and "true_computation" in predicated
+    for form in (text, predicated):
+        cost = hlo_cost.program_cost(form, "cpu")
+        assert cost.flops == pytest.approx(30 * MATMUL, rel=0.02) and sorted(cost.loops) == [3, 10]

@@ -86,6 +86,17 @@ def test_a_scanned_model_is_compiled_at_full_depth_and_an_unrolled_one_extrapola
     assert plan.compiled_depths(ModelConfig.preset("tiny", num_layers=4)) == [3, 4]
 
 
+def test_with_layers_given_a_scanned_model_trains_at_full_depth_and_only_its_engine_extrapolates():
+    from mage_jax.models.config import ModelConfig
+
+    scanned, unrolled = ModelConfig.preset("qwen3-0.6b"), ModelConfig.preset("qwen3-0.6b", scan_layers=False)
+    for name in ("train_grads", "train_apply", "logprobs"):
+        assert plan.program_depths(scanned, name, [1, 2]) == [28]
+        assert plan.program_depths(unrolled, name, [1, 2]) == [1, 2]
+    for name in plan.ROLLOUT_PROGRAMS:  # generation runs the blocks one by one in either layout
+        assert plan.program_depths(scanned, name, [1, 2]) == [1, 2]
+
+
 def test_the_full_depth_compile_of_a_scanned_model_agrees_with_the_extrapolation():
     # The tiny preset at 9 scanned layers, one device: each program's bytes compiled at 9 layers against
     # the 3 + 6 layer extrapolation (docs/scaling.md records the same comparison for Kuhn Poker small).
