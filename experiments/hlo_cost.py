@@ -421,8 +421,11 @@ def program_cost(hlo_text: str, platform: str = "tpu", data_loop_trips: int = 1)
             if i.opcode == "custom-call":
                 kernels[kernel_name(i)] += 1
                 flops += runs.get(name, 0) * custom_call_flops(i, shapes)
-            elif i.opcode == "fusion" and platform != "tpu":
-                bytes_ -= runs.get(name, 0) * _in_place_scatter_excess(module, i, shapes)
+            elif i.opcode == "fusion":
+                excess = _gather_excess(module, i)
+                if platform != "tpu":
+                    excess += _in_place_scatter_excess(module, i, shapes)
+                bytes_ -= runs.get(name, 0) * excess
     return ProgramCost(flops, bytes_, dict(sorted(kernels.items())),
                        [n for body in loops.values() for _, n in body])
 
@@ -442,6 +445,23 @@ def _in_place_scatter_excess(module: Module, fusion: Instruction, shapes: Mappin
     touched = 2 * type_bytes(updates.result if updates is not None else "") + type_bytes(
         indices.result if indices is not None else "")
     return max(2 * whole - touched, 0.0)
+
+
+def _gather_excess(module: Module, fusion: Instruction) -> float:
+    """Bytes XLA's analysis counts for a fusion that gathers rows of a table it takes whole (an embedding
+    lookup of a few tokens reads those rows, not the table): the table's bytes beyond the rows its
+    gathers read, for each fusion parameter that only gathers use."""
+    body = module.computations.get(fusion.attribute("calls") or "", [])
+    users: dict[str, list[Instruction]] = {}
+    for i in body:
+        for operand in i.operands():
+            users.setdefault(operand, []).append(i)
+    excess = 0.0
+    for p in (i for i in body if i.opcode == "parameter"):
+        uses = users.get(p.name, [])
+        if uses and all(u.opcode == "gather" and u.operands()[0] == p.name for u in uses):
+            excess += max(type_bytes(p.result) - sum(type_bytes(u.result) for u in uses), 0.0)
+    return excess
 
 
 def _runs(module: Module, loops: Mapping[str, list[tuple[str, int | None]]],

@@ -234,7 +234,9 @@ def compile_rollout(setup: Setup, name: str) -> Any:
     from mage_jax import aot
 
     programs = None if setup.engine is None else setup.engine.programs
-    lowered = aot.lower_rollout(setup.sampler, programs, setup.params, rollout_sampling(setup))
+    spec = setup.sampler.spec if programs is None else programs.spec
+    params = spec.abstract_placed(setup.params)  # as ``ModelSpec.place_state`` places them to generate
+    lowered = aot.lower_rollout(setup.sampler, programs, params, rollout_sampling(setup))
     return lowered[name].compile()
 
 
@@ -488,15 +490,18 @@ def _plan_devices(cfg: C.ExperimentConfig, on: int | list[Any], *, layers: Seque
 
 
 def compute_param_bytes(setup: Setup) -> int:
-    """Bytes of parameters one device computes with: all of them (an fsdp shard is gathered before use)
-    except what ``tensor`` splits."""
+    """Bytes of parameters one device generates with: all of them (gathered over ``fsdp``) except what
+    ``tensor`` splits, in the dtype generation reads them in (``ModelSpec.generation_dtype``: float32
+    master weights of a bfloat16 model are read as bfloat16)."""
     import jax
+    import numpy as np
 
+    spec = (setup.sampler if setup.engine is None else setup.engine.programs).spec
     tensor = setup.mesh.shape["tensor"]
     total = 0
     for leaf in jax.tree.leaves(setup.params):
         split = tensor if "tensor" in jax.tree.leaves(tuple(leaf.sharding.spec)) else 1
-        total += math.prod(leaf.shape) * leaf.dtype.itemsize // split
+        total += math.prod(leaf.shape) * np.dtype(spec.generation_dtype(leaf.dtype)).itemsize // split
     return int(total)
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mage_jax.generate.bank import Bank
@@ -51,7 +53,7 @@ class ModelSpec:
     mesh: jax.sharding.Mesh | None = None
     state_shardings: Any = None
     _placed: dict[str, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
-    """The partition rules' shardings once computed (``place_state`` without ``state_shardings``)."""
+    """The generation shardings once computed (``place_state``)."""
 
     def __post_init__(self) -> None:
         eos = tuple(int(i) for i in self.eos_ids)
@@ -80,18 +82,52 @@ class ModelSpec:
         """The mesh set for tracing and running a program (nothing without one)."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def place_state(self, state: Any) -> Any:
-        """``state`` placed with the parameter shardings (as it is without a mesh or shardings)."""
-        if self.mesh is None and self.state_shardings is None:
-            return state
-        shardings = self.state_shardings
-        if shardings is None:
-            if "rules" not in self._placed:
-                from mage_jax.models.sharding import param_shardings
+    def generation_dtype(self, dtype: Any) -> Any:
+        """A parameter's dtype for generation: a floating one wider than the compute dtype narrowed to it
+        (the model casts every parameter to the compute dtype before using it, so nothing changes but
+        the bytes a decode step reads), anything else as it is."""
+        compute = jnp.dtype(self.config.jnp_dtype)
+        if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize > compute.itemsize:
+            return compute
+        return dtype
 
-                self._placed["rules"] = param_shardings(state, self.mesh)
-            shardings = self._placed["rules"]
-        return jax.device_put(state, shardings)
+    def place_state(self, state: Any) -> Any:
+        """``state`` placed for generation, once per session (not in every decode step): floating
+        parameters in the compute dtype (``generation_dtype``) and the parameter shardings with their
+        ``fsdp`` split gathered (``models.sharding.generation_sharding``). A copy where either changes
+        anything (float32 master weights computed in bfloat16, or parameters split over ``fsdp``): it
+        lives beside the training state while the session runs; otherwise ``state`` as before."""
+        casts = any(self.generation_dtype(x.dtype) != x.dtype for x in jax.tree.leaves(state))
+        if self.mesh is None and self.state_shardings is None:
+            if not casts:
+                return state
+            shardings = None
+        else:
+            if "generation" not in self._placed:
+                from mage_jax.models.sharding import generation_sharding, param_shardings
+
+                placed = self.state_shardings
+                if placed is None:
+                    placed = param_shardings(state, self.mesh)
+                self._placed["generation"] = jax.tree.map(generation_sharding, placed)
+            shardings = self._placed["generation"]
+            if not casts:
+                return jax.device_put(state, shardings)
+        if "cast" not in self._placed:  # one program for every session
+            narrow = functools.partial(jax.tree.map, lambda x: x.astype(self.generation_dtype(x.dtype)))
+            self._placed["cast"] = jax.jit(narrow, out_shardings=shardings)
+        return self._placed["cast"](state)
+
+    def abstract_placed(self, state: Any) -> Any:
+        """What ``place_state`` makes of abstract ``state`` (``jax.ShapeDtypeStruct`` leaves with their
+        shardings): the parameters the generation programs are lowered for by a plan."""
+        from mage_jax.models.sharding import generation_sharding
+
+        def one(x: Any) -> jax.ShapeDtypeStruct:
+            sharding = generation_sharding(getattr(x, "sharding", None))
+            return jax.ShapeDtypeStruct(x.shape, self.generation_dtype(x.dtype), sharding=sharding)
+
+        return jax.tree.map(one, state)
 
 
 @dataclasses.dataclass(frozen=True)

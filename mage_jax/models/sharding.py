@@ -156,6 +156,26 @@ def shard_state(state: Any, mesh: Mesh) -> Any:
     return jax.device_put(state, param_shardings(state, mesh))
 
 
+def generation_sharding(sharding: Any) -> Any:
+    """A parameter's placement for generation: its ``fsdp`` split gathered, its ``tensor`` split kept.
+    A decode step reads every parameter; sharded over ``fsdp`` each step would all-gather it, writing and
+    reading a full copy (on 8 x H100 a ``paper`` decode step read 2x the parameters it computes with).
+    The price: while a rollout runs, a copy of the parameters (per ``tensor`` shard) beside the training
+    state (``experiments.plan`` counts it in the engine's programs)."""
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.shape.get("fsdp", 1) == 1:
+        return sharding
+
+    def drop(axis: Any) -> Any:
+        if axis == "fsdp":
+            return None
+        if isinstance(axis, tuple):
+            kept = tuple(a for a in axis if a != "fsdp")
+            return kept[0] if len(kept) == 1 else (kept or None)
+        return axis
+
+    return NamedSharding(sharding.mesh, PartitionSpec(*(drop(a) for a in sharding.spec)))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Rows (leading dimension) split over ('data', 'fsdp'); other dimensions replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))

@@ -172,3 +172,17 @@ def test_a_loop_inside_a_two_way_conditional_is_counted_as_often_as_it_runs():
     for form in (text, predicated):
         cost = hlo_cost.program_cost(form, "cpu")
         assert cost.flops == pytest.approx(30 * MATMUL, rel=0.02) and sorted(cost.loops) == [3, 10]
+
+
+def test_an_embedding_lookup_counts_the_rows_it_gathers_not_the_table():
+    # XLA's analysis counted the whole 100 MB table of a fused gather of 8 rows (1.03e8 bytes): a decode
+    # step's token embedding then read as much as the whole output head.
+    def lookup(table, ids, w):
+        return jnp.tanh(table[ids]) @ w
+
+    text = jax.jit(lookup).lower(jax.ShapeDtypeStruct((100_000, 256), jnp.float32),
+                                 jax.ShapeDtypeStruct((8,), jnp.int32),
+                                 jax.ShapeDtypeStruct((256, 256), jnp.float32)).compile().as_text()
+    cost = hlo_cost.program_cost(text, "cpu")
+    rows, w = 8 * 256 * 4, 256 * 256 * 4
+    assert w + rows <= cost.bytes_accessed <= w + 4 * rows + 8 * 1024
