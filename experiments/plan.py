@@ -460,6 +460,8 @@ def _plan_devices(cfg: C.ExperimentConfig, on: int | list[Any], *, layers: Seque
                 key += (("chunk", cfg.rollout.engine_chunk), ("sampling", repr(rollout_sampling(setup))))
             measured[name][n] = _measure(name, setup, n, key, compilers[name], log)
             state_args[name][n] = p_bytes + (device_bytes(setup.opt_state) if name == "train_apply" else 0)
+            if name in ROLLOUT_PROGRAMS and generation_copies(setup):  # it reads a copy, not the state
+                state_args[name][n] = 0
     size = full.mesh.size
     mc = full.model_config
     programs = {}
@@ -487,6 +489,18 @@ def _plan_devices(cfg: C.ExperimentConfig, on: int | list[Any], *, layers: Seque
                   "matmul_params": matmul_params(mc)},
         "layers_compiled": sorted({d for ds in at.values() for d in ds}), "full_depth": depth,
     }
+
+
+def generation_copies(setup: Setup) -> bool:
+    """Whether generation reads a copy of the parameters (``ModelSpec.place_state``: narrowed to the
+    compute dtype or gathered over ``fsdp``) that lives beside the training state while a rollout runs,
+    rather than the training state's own arrays."""
+    import jax
+
+    spec = (setup.sampler if setup.engine is None else setup.engine.programs).spec
+    return any(a.dtype != p.dtype or a.sharding != p.sharding
+               for a, p in zip(jax.tree.leaves(spec.abstract_placed(setup.params)),
+                               jax.tree.leaves(setup.params), strict=True))
 
 
 def compute_param_bytes(setup: Setup) -> int:
