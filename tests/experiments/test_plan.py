@@ -97,6 +97,15 @@ def test_with_layers_given_a_scanned_model_trains_at_full_depth_and_only_its_eng
         assert plan.program_depths(scanned, name, [1, 2]) == [1, 2]
 
 
+def test_an_engine_that_reads_a_generation_copy_of_the_parameters_is_planned_beside_the_state():
+    # float32 master weights computed in bfloat16 are generated from a bfloat16 copy (ModelSpec.place_state)
+    # that lives beside the training state; a float32 model generates from the state's own arrays.
+    same = plan.make_setup(plan.preset_config("kuhn_poker", "tiny"), 1)
+    copy = plan.make_setup(plan.preset_config("kuhn_poker", "tiny", {"model.dtype": "bfloat16"}), 1)
+    assert not plan.generation_copies(same) and plan.generation_copies(copy)
+    assert plan.compute_param_bytes(copy) * 2 == plan.compute_param_bytes(same)  # read as bfloat16
+
+
 def test_the_full_depth_compile_of_a_scanned_model_agrees_with_the_extrapolation():
     # The tiny preset at 9 scanned layers, one device: each program's bytes compiled at 9 layers against
     # the 3 + 6 layer extrapolation (docs/scaling.md records the same comparison for Kuhn Poker small).
