@@ -266,13 +266,15 @@ graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
 prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 params = SamplingParams(greedy=True, max_new_tokens=6)
 out = {}
-for name, mesh in (("single", None), ("mesh", make_mesh(MeshConfig(data=1, fsdp=2, tensor=1)))):
+meshes = (("single", None), ("fsdp", make_mesh(MeshConfig(data=1, fsdp=2, tensor=1))),
+          ("tensor", make_mesh(MeshConfig(data=1, fsdp=1, tensor=2))))
+for name, mesh in meshes:
     spec = ModelSpec(graphdef, config, eos_ids=(3,), pad_id=0, prompt_buckets=(8,), mesh=mesh)
     result = Sampler(spec, batch_buckets=(4,)).generate(state, prompts, params, jax.random.key(0))
     out[name] = [t.tolist() for t in result.tokens]
-    if mesh is not None:  # the state is placed by the partition rules: some leaves split over devices
+    if mesh is not None:  # placed by the partition rules for generation: the fsdp split gathered
         leaves = jax.tree.leaves(spec.place_state(state))
-        out["split_leaves"] = sum(any(axis is not None for axis in x.sharding.spec) for x in leaves)
+        out[name + "_split_leaves"] = sum(any(axis is not None for axis in x.sharding.spec) for x in leaves)
 print(json.dumps(out))
 """
 
@@ -288,5 +290,6 @@ def test_generation_on_a_two_device_mesh_matches_a_single_device():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["split_leaves"] > 0
-    assert out["mesh"] == out["single"]
+    assert out["fsdp_split_leaves"] == 0  # generation reads the parameters gathered once, not per step
+    assert out["tensor_split_leaves"] > 0  # a tensor split stays
+    assert out["fsdp"] == out["tensor"] == out["single"]
