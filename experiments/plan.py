@@ -234,9 +234,7 @@ def compile_rollout(setup: Setup, name: str) -> Any:
     from mage_jax import aot
 
     programs = None if setup.engine is None else setup.engine.programs
-    spec = setup.sampler.spec if programs is None else programs.spec
-    params = spec.abstract_placed(setup.params)  # as ``ModelSpec.place_state`` places them to generate
-    lowered = aot.lower_rollout(setup.sampler, programs, params, rollout_sampling(setup))
+    lowered = aot.lower_rollout(setup.sampler, programs, setup.params, rollout_sampling(setup))
     return lowered[name].compile()
 
 
@@ -494,13 +492,8 @@ def _plan_devices(cfg: C.ExperimentConfig, on: int | list[Any], *, layers: Seque
 def generation_copies(setup: Setup) -> bool:
     """Whether generation reads a copy of the parameters (``ModelSpec.place_state``: narrowed to the
     compute dtype or gathered over ``fsdp``) that lives beside the training state while a rollout runs,
-    rather than the training state's own arrays."""
-    import jax
-
-    spec = (setup.sampler if setup.engine is None else setup.engine.programs).spec
-    return any(a.dtype != p.dtype or a.sharding != p.sharding
-               for a, p in zip(jax.tree.leaves(spec.abstract_placed(setup.params)),
-                               jax.tree.leaves(setup.params), strict=True))
+    rather than the training state's own arrays (``ModelSpec.copies_state``)."""
+    return (setup.sampler if setup.engine is None else setup.engine.programs).spec.copies_state(setup.params)
 
 
 def compute_param_bytes(setup: Setup) -> int:

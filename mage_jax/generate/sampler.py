@@ -235,7 +235,8 @@ class Sampler:
         fn = self._program(Program(constrained=False))
         with spec.mesh_context():
             sampling = Sampling.of(params, spec.vocab_size)
-            return fn.lower(state, cache, *batch, None, jax.eval_shape(jax.random.key, 0), sampling)
+            key = jax.eval_shape(jax.random.key, 0)
+            return fn.lower(spec.abstract_placed(state), cache, *batch, None, key, sampling)
 
     def _init_cache(self, batch: int, max_len: int):
         """A zero cache (mesh: cache sharding), donated to the jitted loop and written in place."""
@@ -272,7 +273,7 @@ class Sampler:
         return [None if a is None else jax.device_put(a, self._row_sharding(a.shape[0])) for a in arrays]
 
     def _build(self, program: Program) -> Callable:
-        graphdef = self.spec.graphdef
+        graphdef = self.spec.generation_graphdef
         eos_ids = np.asarray(self.spec.eos_ids, np.int32)  # a constant of the program: no device work
         pad_id = self.spec.pad_id
 

@@ -310,7 +310,7 @@ class CompiledSlotPrograms:
         i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
         block = (self.ways, self.insert_rows)
         rows = self.insert_rows * self.ways
-        args = (state, self.abstract_slots(), i32((rows, prompt_len)),
+        args = (self.spec.abstract_placed(state), self.abstract_slots(), i32((rows, prompt_len)),
                 jax.ShapeDtypeStruct((rows, prompt_len), jnp.bool_), *(i32(block) for _ in range(6)),
                 i32(block), i32(block + (KEY_PATH_LEN,)),
                 jax.eval_shape(jax.random.key, 0), self._sampling(params), self.abstract_bank(bank_shape))
@@ -324,7 +324,7 @@ class CompiledSlotPrograms:
 
     def _build_insert(self) -> Callable:
         spec = self.spec
-        graphdef, pad_id = spec.graphdef, spec.pad_id
+        graphdef, pad_id = spec.generation_graphdef, spec.pad_id
         eos_ids = np.asarray(spec.eos_ids, np.int32)  # a constant of the program: no device work
 
         def run(state, slots: Slots, tokens, valid, src, donor, base, prompt_lens, dst, limits, rule, paths,
@@ -537,12 +537,12 @@ class CompiledSlotPrograms:
         every slot), lowered ahead of time for ``state`` like ``lower_insert``."""
         with self.spec.mesh_context():
             return self._decode_program(window, bucket).lower(
-                state, self.abstract_slots(), jax.eval_shape(jax.random.key, 0), self._sampling(params),
-                self.abstract_bank(bank_shape))
+                self.spec.abstract_placed(state), self.abstract_slots(), jax.eval_shape(jax.random.key, 0),
+                self._sampling(params), self.abstract_bank(bank_shape))
 
     def _build_decode(self, window: int, bucket: int) -> Callable:
         spec = self.spec
-        graphdef, pad_id, chunk = spec.graphdef, spec.pad_id, self.chunk
+        graphdef, pad_id, chunk = spec.generation_graphdef, spec.pad_id, self.chunk
         eos_ids = np.asarray(spec.eos_ids, np.int32)  # a constant of the program: no device work
         whole = bucket == self.local_slots and window == self.max_len
 
