@@ -25,7 +25,8 @@ def _model(**overrides):
     config = ModelConfig.preset("tiny", **SMALL, **overrides)
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     if config.lora_rank:  # adapters that do something (LoRA's B starts at zero)
-        state = jax.tree.map(lambda x: x + 0.05 if x.ndim == 2 and x.shape[0] == config.lora_rank else x, state)
+        rank = config.lora_rank
+        state = jax.tree.map(lambda x: x + 0.05 if x.ndim == 2 and x.shape[0] == rank else x, state)
     return config, graphdef, state
 
 
