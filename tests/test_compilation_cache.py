@@ -42,7 +42,8 @@ sys.exit(run_cli(sys.argv[1:], run, experiment="kuhn_poker", presets=kuhn_poker.
 def _process(tmp_path: Path, *args: str, env: dict[str, str], prefix: tuple[str, ...] = ()
              ) -> subprocess.CompletedProcess:
     child_env = {k: v for k, v in os.environ.items()
-                 if k != compilation_cache.ENV_VAR and not k.startswith("JAX_")}  # not the suite's cache
+                 if k != compilation_cache.ENV_VAR and (not k.startswith("JAX_") or k == "JAX_PLATFORMS")}
+    # (not the suite's cache; the platform kept: with libtpu installed JAX would first try a TPU)
     child_env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), **env)
     return subprocess.run([*prefix, sys.executable, "-c", CHILD, "--run-dir", str(tmp_path / "run"), *args],
                           cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=300)

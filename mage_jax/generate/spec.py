@@ -109,6 +109,8 @@ class ModelSpec:
 
     def _unstacks(self, state: Any) -> bool:
         """Whether ``state`` is in the scanned layout that generation unrolls."""
+        if not isinstance(state, nnx.State):  # e.g. a stand-in engine's None
+            return False
         return bool(self.config.scan_layers) and any(
             path[0] == "layers" and not isinstance(path[1], int) for path, _ in nnx.to_flat_state(state))
 

@@ -66,6 +66,11 @@ from mage_jax.models.config import ModelConfig
 from mage_jax.models.lora import LoRALinear
 from mage_jax.models.mesh_axes import constrain_rows
 
+CPU_BF16_SCATTER_COPIES = jax.__version_info__ < (0, 12)
+"""Whether XLA:CPU runs a bfloat16 scatter out of place in float32 (jax 0.10.2 did: 6.8 MB of temporaries
+for a 3.1 MB cache in tests/models/test_scan_layers.py; 0.12.0.1 does not: 2.3 MB, where the row-by-row
+writes of ``_write_rows`` cost 4.3 MB). 0.11 was not measured and keeps the row-by-row writes."""
+
 
 # ---------------------------------------------------------------------------- KV cache
 @jax.tree_util.register_dataclass
@@ -312,13 +317,14 @@ def _write_cache(kv: tuple[jax.Array, jax.Array], k_new: jax.Array, v_new: jax.A
     """Write keys [B,Hkv,D,T] and values [B,Hkv,T,D] at slots `cache_index ..` of one layer's cache, in
     place. `cache_index` is one position for every row, or one per row (the rollout engine's slots each
     sit at their own length); a per-row position past the cache writes nothing (a finished slot). A
-    bfloat16 cache on the CPU is written row by row (`_write_rows`)."""
+    bfloat16 cache on the CPU is written row by row (`_write_rows`) where XLA:CPU's scatter would copy it
+    (`CPU_BF16_SCATTER_COPIES`)."""
     cache_k, cache_v = kv
     k_new, v_new = k_new.astype(cache_k.dtype), v_new.astype(cache_v.dtype)
     if cache_index.ndim == 0:
         return (jax.lax.dynamic_update_slice(cache_k, k_new, (0, 0, 0, cache_index)),
                 jax.lax.dynamic_update_slice(cache_v, v_new, (0, 0, cache_index, 0)))
-    if cache_k.dtype == jnp.bfloat16 and attn.current_platform() == "cpu":
+    if cache_k.dtype == jnp.bfloat16 and attn.current_platform() == "cpu" and CPU_BF16_SCATTER_COPIES:
         return _write_rows(cache_k, cache_v, k_new, v_new, cache_index)
     b, t = k_new.shape[0], k_new.shape[-1]
     rows = jnp.arange(b)[:, None]
