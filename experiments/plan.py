@@ -138,6 +138,11 @@ class Setup:
     engine: Any
     """The rollout engine (None with ``rollout.engine=lockstep``)."""
 
+    @property
+    def spec(self) -> Any:
+        """The ``ModelSpec`` the run's generation programs share (the engine's, or the lockstep sampler's)."""
+        return (self.sampler if self.engine is None else self.engine.programs).spec
+
     def state_shardings(self) -> Any:
         from mage_jax.training.train_step import TrainState
 
@@ -493,7 +498,7 @@ def generation_copies(setup: Setup) -> bool:
     """Whether generation reads a copy of the parameters (``ModelSpec.place_state``: narrowed to the
     compute dtype or gathered over ``fsdp``) that lives beside the training state while a rollout runs,
     rather than the training state's own arrays (``ModelSpec.copies_state``)."""
-    return (setup.sampler if setup.engine is None else setup.engine.programs).spec.copies_state(setup.params)
+    return setup.spec.copies_state(setup.params)
 
 
 def compute_param_bytes(setup: Setup) -> int:
@@ -503,7 +508,7 @@ def compute_param_bytes(setup: Setup) -> int:
     import jax
     import numpy as np
 
-    spec = (setup.sampler if setup.engine is None else setup.engine.programs).spec
+    spec = setup.spec
     tensor = setup.mesh.shape["tensor"]
     total = 0
     for leaf in jax.tree.leaves(setup.params):
