@@ -16,7 +16,7 @@ from mage_jax import config as C
 from mage_jax.algorithms.advantages import compute_advantages
 from mage_jax.rollout.rows import PackedBatch, Row, pack_rows, pick_bucket
 from mage_jax.training.assemble import advantage_config
-from mage_jax.training.train_step import TrainBatch
+from mage_jax.training.train_step import TOKEN_FIELDS, TrainBatch
 
 ADVANTAGE_ROWS = 512
 """The smallest row count the advantage estimator runs at (padding rows are masked): one compile per
@@ -40,6 +40,25 @@ class Credited:
         return TrainBatch.from_packed(self.packed, idx, length=pick_bucket(longest, self.length_buckets),
                                       advantages=self.advantages if with_advantages else None,
                                       constrained=self.packed.constraint_table is not None)
+
+    def identical_rows(self) -> np.ndarray:
+        """int[n]: for each real row the first row whose model input and scored tokens are the same (its
+        own index when none comes before it). Log-probs are a function of those alone, so the recompute
+        scores one row of each set and copies: copies of a group that played alike produce identical rows
+        (the same deal, history and decision), many of them once the policy is confident."""
+        packed, n = self.packed, self.packed.num_rows
+        ids = None if packed.constraint_id is None else packed.constraint_id[:n]
+        first: dict[bytes, int] = {}
+        out = np.empty(n, np.int64)
+        for i in range(n):
+            cut = int(self.row_lengths[i])
+            key = b"".join(np.ascontiguousarray(getattr(packed, name)[i, :cut]).tobytes()
+                           for name in TOKEN_FIELDS)
+            key += np.int64(packed.prompt_lengths[i]).tobytes() + np.int64(cut).tobytes()
+            if ids is not None:
+                key += np.int64(ids[i]).tobytes()
+            out[i] = first.setdefault(key, i)
+        return out
 
 
 def credit(cfg: C.ExperimentConfig, rows: Sequence[Row], *, length_buckets: tuple[int, ...],

@@ -151,7 +151,8 @@ class Trainer:
         credited = credit(self.cfg, result.rows, length_buckets=self.length_buckets,
                           pad_id=self.parts.tokenizer.pad_id)
         t1 = time.perf_counter()
-        old, ref = self._recompute(credited)
+        same = credited.identical_rows()
+        old, ref = self._recompute(credited, same)
         step_metrics = self._update_epochs(iteration, credited, old, ref)
         t_update = time.perf_counter() - t1
         longest = self.consecutive_skips
@@ -166,6 +167,7 @@ class Trainer:
                                 row_lengths=credited.row_lengths, consecutive_skips_max=longest,
                                 timings=timings, compiled=compiled,
                                 split_private=env_class(self.cfg.env.name).split_private)
+        out["distinct_rows"] = float(np.unique(same).size)
         self.skipped_updates += int(out["skipped"])
         return out
 
@@ -187,22 +189,26 @@ class Trainer:
                    samples_path=self.logger.samples_path if every > 0 and self.logger.writes else None)
         return result
 
-    def _recompute(self, credited: Credited) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def _recompute(self, credited: Credited, same: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Old (and reference) log-probs of every real row, before any update of this iteration: computed
         on the device one mini-batch at a time and kept on the host (tens of GB at the paper's lengths),
         where each update's mini-batch takes its rows from them. One epoch of one mini-batch recomputes no
         old log-probs (None): its update starts from the state they would come from and takes them from
-        its own forward pass. A stop request is honoured between mini-batches (the parameters are still
-        the last iteration's)."""
+        its own forward pass. Identical rows (``same``: ``Credited.identical_rows``) are scored once. A
+        stop request is honoured between mini-batches (the parameters are still the last iteration's)."""
         shape, lengths = credited.packed.tokens.shape, credited.row_lengths
         mb, micro = self.cfg.optim.mini_batch_rows, self.cfg.optim.micro_batch_rows
         single_update = self.cfg.optim.epochs == 1 and len(lengths) <= mb
         old = None if single_update else np.zeros(shape, np.float32)
         ref = np.zeros(shape, np.float32) if self.use_reference else None
-        for idx in minibatch_indices(len(lengths), mb, permutation=np.argsort(lengths, kind="stable")):
+        if old is None and ref is None:
+            return old, ref
+        scored = np.flatnonzero(same == np.arange(len(same)))
+        order = np.argsort(lengths[scored], kind="stable")
+        for block in minibatch_indices(len(scored), mb, permutation=order):
             if self._stop.is_set():
                 raise Interrupted
-            idx = fill_micro_batches(idx, micro)  # padding-only micro-batches are skipped
+            idx = fill_micro_batches(np.where(block >= 0, scored[np.maximum(block, 0)], -1), micro)
             placed = self.step.place_batch(credited.batch(idx, with_advantages=False))
             real = idx >= 0
             if old is not None:
@@ -210,6 +216,9 @@ class Trainer:
                     self.step.compute_logprobs(self.state.params, placed))[real]
             if ref is not None:
                 ref[idx[real], :placed.length] = to_host(self._reference_logprobs(placed))[real]
+        for table in (old, ref):
+            if table is not None:
+                table[:len(same)] = table[same]
         return old, ref
 
     def _update_epochs(self, iteration: int, credited: Credited, old: np.ndarray | None,
