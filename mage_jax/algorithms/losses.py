@@ -22,19 +22,24 @@ DISALLOWED_LOGIT = -1e30
 
 
 @functools.partial(jax.jit, static_argnames="mode")
-def aggregate(values: jax.Array, mask: jax.Array, mode: str = "token-mean") -> jax.Array:
+def aggregate(values: jax.Array, mask: jax.Array, mode: str = "token-mean",
+              row_weights: jax.Array | None = None) -> jax.Array:
     """Reduce per-token values [B, T] to a scalar.
 
     token-mean: mean over all unmasked tokens of the batch. seq-mean-token-mean: mean over tokens
     of each sequence, then over sequences. seq-mean-token-sum: sum over tokens of each sequence,
     then mean over sequences. Sequences without any unmasked token (padding rows) do not count.
+    ``row_weights`` [B] counts row b as that many rows (identical rows merged into one); None: 1 each.
     """
     mask = mask.astype(values.dtype)
-    masked = values * mask
     if mode == "token-mean":
-        return masked.sum() / jnp.maximum(mask.sum(), 1.0)
+        weighted = mask if row_weights is None else mask * row_weights.astype(values.dtype)[:, None]
+        return (values * weighted).sum() / jnp.maximum(weighted.sum(), 1.0)
+    masked = values * mask
     tokens = mask.sum(axis=-1)
     present = (tokens > 0).astype(values.dtype)
+    if row_weights is not None:
+        present = present * row_weights.astype(values.dtype)
     if mode == "seq-mean-token-mean":
         per_sequence = masked.sum(axis=-1) / jnp.maximum(tokens, 1.0)
     elif mode == "seq-mean-token-sum":
@@ -44,9 +49,8 @@ def aggregate(values: jax.Array, mask: jax.Array, mode: str = "token-mean") -> j
     return (per_sequence * present).sum() / jnp.maximum(present.sum(), 1.0)
 
 
-def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
-    mask = mask.astype(jnp.float32)
-    return (values.astype(jnp.float32) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+def _masked_mean(values: jax.Array, mask: jax.Array, row_weights: jax.Array | None = None) -> jax.Array:
+    return aggregate(values.astype(jnp.float32), mask, "token-mean", row_weights)
 
 
 @functools.partial(jax.jit, static_argnames=("dual_clip", "agg_mode"))
@@ -60,6 +64,7 @@ def ppo_loss(
     dual_clip: float | None = 3.0,
     agg_mode: str = "token-mean",
     entropy: jax.Array | None = None,
+    row_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO clipped surrogate with dual clip; returns (loss, diagnostics).
 
@@ -67,7 +72,10 @@ def ppo_loss(
     loss = max(pg1, pg2), and for A < 0 the dual clip caps it: min(max(pg1, pg2), c·|A|) (Ye et al.,
     "Mastering Complex Control in MOBA Games with Deep RL", 2020), so a huge ratio on a bad token
     cannot blow up the update. ``advantages`` is [B] (one per row, broadcast to its tokens) or
-    [B, T]; it is treated as a constant. ``dual_clip=None`` disables the dual clip.
+    [B, T]; it is treated as a constant. ``dual_clip=None`` disables the dual clip. ``row_weights``
+    [B] counts each row that many times (``aggregate``). The per-token loss is positively homogeneous
+    in A, so rows with the same tokens whose advantages share a sign are one row of their mean
+    advantage weighted by their count (``training.credit.merge_identical``).
 
     Diagnostics (masked token means): ``pg_loss``, ``clip_fraction`` (tokens where the clipped
     term is active), ``dual_clip_fraction``, ``approx_kl`` (mean of old_logp − logp, the k1
@@ -90,15 +98,15 @@ def ppo_loss(
         cap = -advantages * dual_clip  # = c·|A| where A < 0
         dual_active = (advantages < 0) & (cap < clipped)
         per_token = jnp.where(advantages < 0, jnp.minimum(clipped, cap), clipped)
-    loss = aggregate(per_token, response_mask, agg_mode)
+    loss = aggregate(per_token, response_mask, agg_mode, row_weights)
     metrics = {
         "pg_loss": loss,
-        "clip_fraction": _masked_mean(pg2 > pg1, response_mask),
-        "dual_clip_fraction": _masked_mean(dual_active, response_mask),
-        "approx_kl": _masked_mean(-log_ratio, response_mask),
+        "clip_fraction": _masked_mean(pg2 > pg1, response_mask, row_weights),
+        "dual_clip_fraction": _masked_mean(dual_active, response_mask, row_weights),
+        "approx_kl": _masked_mean(-log_ratio, response_mask, row_weights),
     }
     if entropy is not None:
-        metrics["entropy"] = _masked_mean(entropy, response_mask)
+        metrics["entropy"] = _masked_mean(entropy, response_mask, row_weights)
     return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 

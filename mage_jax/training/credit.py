@@ -33,13 +33,19 @@ class Credited:
     row_lengths: np.ndarray
     length_buckets: tuple[int, ...]
 
-    def batch(self, idx: np.ndarray, *, with_advantages: bool) -> TrainBatch:
-        """Rows ``idx`` (-1: padding) cut to the token length bucket the longest of them needs."""
+    def batch(self, idx: np.ndarray, *, with_advantages: bool, merged: Merged | None = None) -> TrainBatch:
+        """Rows ``idx`` (-1: padding) cut to the token length bucket the longest of them needs; with
+        ``merged`` (``merge_identical``) each row carries its merged advantage and weight."""
         real = idx[idx >= 0]
         longest = max(int(self.row_lengths[real].max()) if len(real) else 1, 1)
-        return TrainBatch.from_packed(self.packed, idx, length=pick_bucket(longest, self.length_buckets),
-                                      advantages=self.advantages if with_advantages else None,
-                                      constrained=self.packed.constraint_table is not None)
+        advantages = self.advantages if merged is None else merged.advantages
+        batch = TrainBatch.from_packed(self.packed, idx, length=pick_bucket(longest, self.length_buckets),
+                                       advantages=advantages if with_advantages else None,
+                                       constrained=self.packed.constraint_table is not None)
+        if merged is None:
+            return batch
+        return batch.replace(row_weights=np.where(idx >= 0, merged.weights[np.maximum(idx, 0)], 0.0)
+                             .astype(np.float32))
 
     def identical_rows(self) -> np.ndarray:
         """int[n]: for each real row the first row whose model input and scored tokens are the same (its
@@ -59,6 +65,40 @@ class Credited:
                 key += np.int64(ids[i]).tobytes()
             out[i] = first.setdefault(key, i)
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Merged:
+    """A mini-batch with its identical rows merged (``merge_identical``)."""
+
+    index: np.ndarray
+    """int[R]: the rows the update runs (one of each merged set, its first), then ``-1`` padding."""
+    advantages: np.ndarray
+    """float32[N], by row: the mean advantage of the set a kept row stands for."""
+    weights: np.ndarray
+    """float32[N], by row: how many rows a kept row stands for."""
+
+
+def merge_identical(index: np.ndarray, same: np.ndarray, advantages: np.ndarray) -> Merged:
+    """The rows ``index`` of one mini-batch (``-1``: padding) with each set of identical rows (``same``:
+    ``Credited.identical_rows``) whose advantages have one sign (positive, negative or zero) run as one
+    row of their mean advantage weighted by their count. Exact: identical rows have one log-prob, the
+    PPO term is positively homogeneous in the advantage (``losses.ppo_loss``) and every term and
+    denominator counts a row by its weight, so the update is the unmerged one's while the model runs
+    over fewer rows (copies of a group that played alike, many once the policy is confident)."""
+    index = np.asarray(index, np.int64)
+    n = len(advantages)
+    sums, counts = np.zeros(n, np.float64), np.zeros(n, np.float64)
+    kept: dict[tuple[int, int], int] = {}
+    for row in index[index >= 0]:
+        first = kept.setdefault((int(same[row]), int(np.sign(advantages[row]))), int(row))
+        sums[first] += advantages[row]
+        counts[first] += 1
+    rows = np.array(sorted(kept.values(), key=lambda r: np.flatnonzero(index == r)[0]), np.int64)
+    out = np.full(len(index), -1, np.int64)
+    out[:len(rows)] = rows
+    mean = np.where(counts > 0, sums / np.maximum(counts, 1), 0.0)
+    return Merged(out, mean.astype(np.float32), counts.astype(np.float32))
 
 
 def credit(cfg: C.ExperimentConfig, rows: Sequence[Row], *, length_buckets: tuple[int, ...],

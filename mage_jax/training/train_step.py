@@ -65,7 +65,8 @@ class TrainBatch:
     does not; an update without ``old_logprobs`` takes log pi_old from its own forward pass, which is
     the recompute's value when the state has not moved since, i.e. an iteration's only update);
     ``transitions`` ``int32[R, S, V]`` is each row's constraint automaton (None: no row of the batch was
-    constrained). Padding rows are fully masked.
+    constrained). Padding rows are fully masked. ``row_weights`` ``float32[R]`` (update only; None: 1
+    each) counts a row as that many identical rows (``training.credit.merge_identical``).
     """
 
     tokens: Any
@@ -78,6 +79,7 @@ class TrainBatch:
     old_logprobs: Any = None
     ref_logprobs: Any = None
     transitions: Any = None
+    row_weights: Any = None
 
     @classmethod
     def from_packed(cls, packed: Any, index: np.ndarray, *, length: int | None = None,
@@ -124,6 +126,7 @@ class TrainBatch:
         if update:
             fields["advantages"] = leaf((rows,), jnp.float32)
             fields["old_logprobs"] = leaf((rows, length), jnp.float32)
+            fields["row_weights"] = leaf((rows,), jnp.float32)
             if reference:
                 fields["ref_logprobs"] = leaf((rows, length), jnp.float32)
         return cls(**fields)
@@ -488,16 +491,17 @@ class TrainStep:
             one = jnp.float32(1.0)
             grads, metrics = self._micro_grads(params, batch, one, one)
         else:
-            mask = batch.response_mask
-            agg_total = jnp.maximum(aggregation_count(mask, cfg.aggregation), 1.0)
-            token_total = jnp.maximum(aggregation_count(mask, "token-mean"), 1.0)
+            mask, weights = batch.response_mask, batch.row_weights
+            agg_total = jnp.maximum(aggregation_count(mask, cfg.aggregation, weights), 1.0)
+            token_total = jnp.maximum(aggregation_count(mask, "token-mean", weights), 1.0)
 
             zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
                                  jax.eval_shape(self._micro_grads, params, batch, 1.0, 1.0))
 
             def contribution(part: TrainBatch):
-                agg_weight = aggregation_count(part.response_mask, cfg.aggregation) / agg_total
-                token_weight = aggregation_count(part.response_mask, "token-mean") / token_total
+                part_mask, part_weights = part.response_mask, part.row_weights
+                agg_weight = aggregation_count(part_mask, cfg.aggregation, part_weights) / agg_total
+                token_weight = aggregation_count(part_mask, "token-mean", part_weights) / token_total
                 grads, metrics = self._micro_grads(params, part, agg_weight, token_weight)
                 return jax.tree.map(lambda x: x.astype(jnp.float32), (grads, metrics))
 
@@ -509,7 +513,8 @@ class TrainStep:
 
             (grads, metrics), _ = jax.lax.scan(body, zeros, split_micro_batches(batch, micro))
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, self.trainable(params)[0])
-        metrics = dict(metrics, response_tokens=batch.response_mask.sum().astype(jnp.float32))
+        metrics = dict(metrics, response_tokens=aggregation_count(batch.response_mask, "token-mean",
+                                                                  batch.row_weights))
         return grads, metrics
 
     def _micro_grads(self, params: Any, batch: TrainBatch, agg_weight: jax.Array, token_weight: jax.Array):
@@ -524,16 +529,17 @@ class TrainStep:
             # No old log-probs: the state the rows are scored with is the one they were recomputed for
             # (the iteration's single update), so log pi_old is this forward's value, held constant.
             old = jax.lax.stop_gradient(logp) if batch.old_logprobs is None else batch.old_logprobs
+            weights = batch.row_weights
             pg_loss, pg_metrics = losses.ppo_loss(
                 logp, old, batch.advantages, mask,
-                clip_eps=cfg.clip_eps, dual_clip=cfg.dual_clip, agg_mode=cfg.aggregation,
+                clip_eps=cfg.clip_eps, dual_clip=cfg.dual_clip, agg_mode=cfg.aggregation, row_weights=weights,
             )
-            entropy_term = losses.aggregate(entropy, mask, cfg.aggregation)
+            entropy_term = losses.aggregate(entropy, mask, cfg.aggregation, weights)
             loss = pg_loss - cfg.entropy_coef * entropy_term
             kl_term = jnp.float32(0.0)
             if cfg.kl_coef > 0:
                 kl = losses.kl_penalty(logp, batch.ref_logprobs, cfg.kl_kind)
-                kl_term = losses.aggregate(kl, mask, cfg.aggregation)
+                kl_term = losses.aggregate(kl, mask, cfg.aggregation, weights)
                 loss = loss + cfg.kl_coef * kl_term
             metrics = {
                 "loss": agg_weight * loss,
@@ -565,13 +571,15 @@ def shared_train_step(graphdef: Any, optimizer: optax.GradientTransformation, sc
     return _SHARED[key]
 
 
-def aggregation_count(mask: jax.Array, mode: str) -> jax.Array:
-    """The denominator of ``losses.aggregate(..., mode)`` over these rows, float32: response tokens
-    (token-mean) or rows with at least one response token (the seq-mean modes)."""
+def aggregation_count(mask: jax.Array, mode: str, row_weights: jax.Array | None = None) -> jax.Array:
+    """The denominator of ``losses.aggregate(..., mode, row_weights)`` over these rows, float32: response
+    tokens (token-mean) or rows with at least one response token (the seq-mean modes), each row counted
+    ``row_weights`` times."""
     mask = mask.astype(jnp.float32)
+    weights = jnp.ones(mask.shape[:1]) if row_weights is None else row_weights.astype(jnp.float32)
     if mode == "token-mean":
-        return mask.sum()
-    return (mask.sum(axis=-1) > 0).astype(jnp.float32).sum()
+        return (mask.sum(axis=-1) * weights).sum()
+    return ((mask.sum(axis=-1) > 0).astype(jnp.float32) * weights).sum()
 
 
 def split_micro_batches(batch: TrainBatch, micro_rows: int) -> TrainBatch:

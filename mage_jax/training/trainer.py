@@ -55,7 +55,7 @@ from mage_jax.rollout.rows import length_grouped_minibatches, minibatch_indices
 from mage_jax.rollout.stopping import Interrupted
 from mage_jax.training.assemble import ROLLOUT_STREAM, RunParts, evaluation_key, row_length_buckets
 from mage_jax.training.checkpoint import Checkpointer, key_from_json, key_to_json
-from mage_jax.training.credit import Credited, credit
+from mage_jax.training.credit import Credited, credit, merge_identical
 from mage_jax.training.health import TrainingStopped, all_invalid, check_rows, check_skips
 from mage_jax.training.signals import install_stop_signals
 from mage_jax.training.train_step import TrainBatch, all_finite, fill_micro_batches, gather_rows
@@ -153,7 +153,7 @@ class Trainer:
         t1 = time.perf_counter()
         same = credited.identical_rows()
         old, ref = self._recompute(credited, same)
-        step_metrics = self._update_epochs(iteration, credited, old, ref)
+        step_metrics = self._update_epochs(iteration, credited, same, old, ref)
         t_update = time.perf_counter() - t1
         longest = self.consecutive_skips
         for m in step_metrics:
@@ -221,9 +221,10 @@ class Trainer:
                 table[:len(same)] = table[same]
         return old, ref
 
-    def _update_epochs(self, iteration: int, credited: Credited, old: np.ndarray | None,
+    def _update_epochs(self, iteration: int, credited: Credited, same: np.ndarray, old: np.ndarray | None,
                        ref: np.ndarray | None) -> list[dict[str, float]]:
-        """PPO epochs over shuffled mini-batches; the step metrics of every update. A stop request is
+        """PPO epochs over shuffled mini-batches, identical rows of a mini-batch run once
+        (``merge_identical``); the step metrics of every update. A stop request is
         honoured between any two updates when the state the iteration started from survives them: kept
         (its first update does not donate it) unless it is on disk already (docs/preemption.md)."""
         cfg = self.cfg
@@ -244,8 +245,9 @@ class Trainer:
             for idx in blocks:
                 if stoppable and self._stop.is_set():
                     self._abandon_updates(start_state if keep_start else None)
-                idx = fill_micro_batches(idx, cfg.optim.micro_batch_rows)
-                rows = credited.batch(idx, with_advantages=True)
+                merged = merge_identical(idx, same, credited.advantages)
+                idx = fill_micro_batches(merged.index, cfg.optim.micro_batch_rows)
+                rows = credited.batch(idx, with_advantages=True, merged=merged)
                 placed = self.step.place_batch(rows.replace(
                     old_logprobs=None if old is None else gather_rows(old, idx, rows.length),
                     ref_logprobs=None if ref is None else gather_rows(ref, idx, rows.length),

@@ -113,6 +113,37 @@ def test_aggregation_modes_by_hand():
         ppo_loss(values, values, values, mask, dual_clip=0.5)
 
 
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_a_row_of_weight_k_is_k_copies_and_copies_with_advantages_of_one_sign_are_one_row_of_their_mean(
+        agg_mode):
+    logp, old, _, mask = random_policy_batch(3, batch=4)
+    adv = jnp.array([1.5, -2.0, 0.7, 1.0])  # per row; row 3 is padding
+    repeat = np.array([3, 1, 2, 1])
+    copies = [jnp.repeat(x, repeat, axis=0) for x in (logp, old, mask)]
+    # Row 0 three times with advantages 1, 1.5 and 2 (mean 1.5), row 2 twice with 0.2 and 1.2 (mean 0.7).
+    copy_adv = jnp.array([1.0, 1.5, 2.0, -2.0, 0.2, 1.2, 1.0])
+    weights = jnp.asarray(repeat, jnp.float32)
+    kw = dict(clip_eps=EPS_CLIP, dual_clip=DUAL, agg_mode=agg_mode)
+
+    def loss_and_metrics(lp, o, a, m, w=None):
+        return ppo_loss(lp, o, a, m, entropy=-lp, row_weights=w, **kw)
+
+    (merged, merged_metrics), grad = jax.value_and_grad(loss_and_metrics, has_aux=True)(
+        logp, old, adv, mask, weights)
+    (every, every_metrics), every_grad = jax.value_and_grad(loss_and_metrics, has_aux=True)(
+        copies[0], copies[1], copy_adv, copies[2])
+    assert float(merged) == pytest.approx(float(every), rel=1e-6)
+    for key in every_metrics:
+        assert float(merged_metrics[key]) == pytest.approx(float(every_metrics[key]), rel=1e-6), key
+    summed = jax.ops.segment_sum(every_grad, jnp.repeat(jnp.arange(4), repeat), num_segments=4)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(summed), rtol=1e-5, atol=1e-7)
+    values = -logp
+    assert float(aggregate(values, mask, agg_mode, weights)) == pytest.approx(
+        float(aggregate(jnp.repeat(values, repeat, axis=0), copies[2], agg_mode)), rel=1e-6)
+    unweighted = float(aggregate(values, mask, agg_mode))
+    assert float(aggregate(values, mask, agg_mode, weights)) != pytest.approx(unweighted)
+
+
 def test_kl_estimators_follow_their_formulas():
     logp = jnp.array([-1.0, -2.0, -0.5, -30.0])
     ref = jnp.array([-1.5, -1.0, -0.5, -1.0])

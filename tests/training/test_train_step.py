@@ -288,7 +288,7 @@ def test_train_batches_hold_every_real_row_once_and_mask_the_padding():
 
 def test_an_abstract_train_batch_has_the_shapes_and_dtypes_of_a_real_one():
     """``TrainBatch.abstract`` (ahead-of-time lowering) describes what ``from_packed`` and the trainer's
-    old / reference log-probs make: leaf by leaf, shape and dtype."""
+    old / reference log-probs and row weights make: leaf by leaf, shape and dtype."""
     from mage_jax.rollout.rows import Row, pack_rows
 
     rows = [Row(group=0, meta_episode=i, episode=0, turn=0, step=0, phase="play", anchor="a", opponent=None,
@@ -298,7 +298,8 @@ def test_an_abstract_train_batch_has_the_shapes_and_dtypes_of_a_real_one():
     idx = np.array([0, 1, 2, -1])
     recompute = TrainBatch.from_packed(packed, idx, length=3)
     update = TrainBatch.from_packed(packed, idx, length=3, advantages=np.zeros(4, np.float32)).replace(
-        old_logprobs=np.zeros((4, 3), np.float32), ref_logprobs=np.zeros((4, 3), np.float32))
+        old_logprobs=np.zeros((4, 3), np.float32), ref_logprobs=np.zeros((4, 3), np.float32),
+        row_weights=np.ones(4, np.float32))  # the weights of merged identical rows (Credited.batch)
 
     def described(batch):
         return jax.tree.map(lambda a: (a.shape, np.dtype(a.dtype)), batch)

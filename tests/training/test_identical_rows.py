@@ -1,10 +1,14 @@
-"""The recompute phase of an iteration: identical rows are scored once and share their log-probs, which
-equal what scoring every row gives (the old and the KL reference tables alike)."""
+"""Identical rows of an iteration run through the model once: the recompute scores one of each set and
+shares its log-probs (the old and the KL reference tables alike, equal to scoring every row), and an
+update runs one row of each set whose advantages share a sign, weighted by its count (the update of
+every row)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -12,7 +16,7 @@ from experiments.kuhn_poker import SPEC
 from mage_jax.evaluation.evaluator import Evaluator
 from mage_jax.testing import SMOKE
 from mage_jax.training.assemble import build_parts, make_checkpointer, make_logger
-from mage_jax.training.credit import credit
+from mage_jax.training.credit import credit, merge_identical
 from mage_jax.training.trainer import Trainer
 
 # Several mini-batches (old log-probs are recomputed) and a KL term (reference log-probs too).
@@ -29,37 +33,43 @@ def trainer_and_rows(tmp_path_factory):
                       logger=make_logger(cfg, run_dir, resume=False),
                       checkpointer=make_checkpointer(cfg, run_dir))
     rows = trainer._collect(1).rows
-    # Every row twice, the second copy in another meta-episode: identical inputs, identical log-probs.
-    copies = [dataclasses.replace(r, meta_episode=r.meta_episode + 1000) for r in rows]
+    # Copies in other meta-episodes (identical inputs, identical log-probs): the first quarter of the
+    # rows three times, the next quarter twice, the rest once.
+    copies = [dataclasses.replace(r, meta_episode=r.meta_episode + 1000 * k)
+              for k, part in ((1, rows[:len(rows) // 2]), (2, rows[:len(rows) // 4])) for r in part]
     yield trainer, rows + copies
     trainer.logger.close()
     trainer.checkpointer.close()
 
 
-def scored_rows(trainer, monkeypatch) -> list[int]:
-    """Counts the real rows each ``compute_logprobs`` call scores."""
+def counted_rows(trainer, monkeypatch, method: str) -> list[int]:
+    """Counts the real rows each call of the train step's ``method`` runs through the model."""
     calls: list[int] = []
-    compute = trainer.step.compute_logprobs
+    call = getattr(trainer.step, method)
 
-    def counting(params, batch, **kw):
+    def counting(first, batch, *args, **kw):
         calls.append(int(np.asarray(batch.response_mask).any(axis=1).sum()))
-        return compute(params, batch, **kw)
+        return call(first, batch, *args, **kw)
 
-    monkeypatch.setattr(trainer.step, "compute_logprobs", counting)
+    monkeypatch.setattr(trainer.step, method, counting)
     return calls
+
+
+def with_copies(trainer, rows):
+    return credit(trainer.cfg, rows, length_buckets=trainer.length_buckets,
+                  pad_id=trainer.parts.tokenizer.pad_id)
 
 
 def test_identical_rows_are_scored_once_and_share_the_log_probs_of_scoring_every_row(trainer_and_rows,
                                                                                        monkeypatch):
     trainer, rows = trainer_and_rows
-    credited = credit(trainer.cfg, rows, length_buckets=trainer.length_buckets,
-                      pad_id=trainer.parts.tokenizer.pad_id)
+    credited = with_copies(trainer, rows)
     n = credited.packed.num_rows
     same = credited.identical_rows()
     distinct = np.unique(same).size
-    assert distinct <= n // 2  # each row has its copy
+    assert distinct <= n - n // 3  # the copies
 
-    calls = scored_rows(trainer, monkeypatch)
+    calls = counted_rows(trainer, monkeypatch, "compute_logprobs")
     old, ref = trainer._recompute(credited, same)
     # Each distinct row once for the old and once for the reference table (the LoRA-free tiny model's
     # reference is a copy of the initial parameters, scored by the same program).
@@ -92,3 +102,41 @@ def test_rows_that_differ_in_any_scored_token_or_the_prompt_split_are_not_identi
     mixed = credit(trainer.cfg, first + moved, length_buckets=trainer.length_buckets,
                    pad_id=trainer.parts.tokenizer.pad_id)
     assert np.unique(mixed.identical_rows()).size == np.unique(same[:half]).size * 2
+
+
+def test_an_update_runs_identical_rows_once_and_moves_the_parameters_as_the_update_of_every_row(
+        trainer_and_rows, monkeypatch):
+    trainer, rows = trainer_and_rows
+    credited = with_copies(trainer, rows)
+    n = credited.packed.num_rows
+    same = credited.identical_rows()
+    old, ref = trainer._recompute(credited, same)
+    start = jax.tree.map(jnp.copy, trainer.state)
+
+    calls = counted_rows(trainer, monkeypatch, "update")
+    merged_metrics = trainer._update_epochs(1, credited, same, old, ref)
+    merged_params = jax.tree.map(np.asarray, trainer.state.params)
+    merged_rows = sum(calls)
+    trainer.state = start
+    every_metrics = trainer._update_epochs(1, credited, np.arange(n), old, ref)  # every row its own
+    assert sum(calls) - merged_rows == n
+    assert merged_rows < n  # the copies of one mini-batch ran once
+    assert len(merged_metrics) == len(every_metrics) > 1
+    for merged, every in zip(merged_metrics, every_metrics):
+        assert merged.keys() == every.keys()
+        for key in merged:
+            assert merged[key] == pytest.approx(every[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(jax.tree.leaves(merged_params), jax.tree.leaves(trainer.state.params)):
+        np.testing.assert_allclose(a, np.asarray(b), rtol=1e-4, atol=1e-6)
+    moved = [np.abs(np.asarray(a) - np.asarray(b)).max()
+             for a, b in zip(jax.tree.leaves(merged_params), jax.tree.leaves(start.params))]
+    assert max(moved) > 1e-4  # the updates did move the parameters
+
+
+def test_only_identical_rows_whose_advantages_share_a_sign_merge():
+    same = np.array([0, 0, 0, 0, 4, 4])
+    advantages = np.array([1.0, 3.0, -2.0, 0.0, 0.0, 0.0], np.float32)
+    merged = merge_identical(np.array([3, 0, 1, 2, 4, 5, -1, -1]), same, advantages)
+    assert merged.index.tolist() == [3, 0, 2, 4, -1, -1, -1, -1]
+    assert merged.weights[[3, 0, 2, 4]].tolist() == [1, 2, 1, 2]
+    assert merged.advantages[[3, 0, 2, 4]].tolist() == [0.0, 2.0, -2.0, 0.0]
