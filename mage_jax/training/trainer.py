@@ -152,7 +152,7 @@ class Trainer:
                           pad_id=self.parts.tokenizer.pad_id)
         t1 = time.perf_counter()
         same = credited.identical_rows()
-        old, ref = self._recompute(credited, same)
+        old, ref = self._recompute(credited, same, self._first_update_rows(iteration, credited))
         step_metrics = self._update_epochs(iteration, credited, same, old, ref)
         t_update = time.perf_counter() - t1
         longest = self.consecutive_skips
@@ -189,37 +189,57 @@ class Trainer:
                    samples_path=self.logger.samples_path if every > 0 and self.logger.writes else None)
         return result
 
-    def _recompute(self, credited: Credited, same: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def _recompute(self, credited: Credited, same: np.ndarray,
+                   first_update: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Old (and reference) log-probs of every real row, before any update of this iteration: computed
         on the device one mini-batch at a time and kept on the host (tens of GB at the paper's lengths),
-        where each update's mini-batch takes its rows from them. One epoch of one mini-batch recomputes no
-        old log-probs (None): its update starts from the state they would come from and takes them from
-        its own forward pass. Identical rows (``same``: ``Credited.identical_rows``) are scored once. A
-        stop request is honoured between mini-batches (the parameters are still the last iteration's)."""
+        where each update's mini-batch takes its rows from them. The rows of the iteration's first update
+        (``first_update``, empty unless one epoch) need no old log-probs: that update starts from the
+        state they would come from and takes them from its own forward pass (None when it is the only
+        update). Identical rows (``same``: ``Credited.identical_rows``) are scored once. A stop request is
+        honoured between mini-batches (the parameters are still the last iteration's)."""
         shape, lengths = credited.packed.tokens.shape, credited.row_lengths
         mb, micro = self.cfg.optim.mini_batch_rows, self.cfg.optim.micro_batch_rows
-        single_update = self.cfg.optim.epochs == 1 and len(lengths) <= mb
-        old = None if single_update else np.zeros(shape, np.float32)
+        later = np.setdiff1d(np.arange(len(same)), first_update)
+        old = np.zeros(shape, np.float32) if len(later) else None
         ref = np.zeros(shape, np.float32) if self.use_reference else None
-        if old is None and ref is None:
-            return old, ref
         scored = np.flatnonzero(same == np.arange(len(same)))
-        order = np.argsort(lengths[scored], kind="stable")
-        for block in minibatch_indices(len(scored), mb, permutation=order):
-            if self._stop.is_set():
-                raise Interrupted
-            idx = fill_micro_batches(np.where(block >= 0, scored[np.maximum(block, 0)], -1), micro)
-            placed = self.step.place_batch(credited.batch(idx, with_advantages=False))
-            real = idx >= 0
-            if old is not None:
-                old[idx[real], :placed.length] = to_host(
-                    self.step.compute_logprobs(self.state.params, placed))[real]
-            if ref is not None:
-                ref[idx[real], :placed.length] = to_host(self._reference_logprobs(placed))[real]
+        with_old = np.isin(scored, same[later]) if old is not None else np.zeros(len(scored), bool)
+        for tables, rows in (((old, ref), scored[with_old]), ((None, ref), scored[~with_old])):
+            if all(t is None for t in tables) or not len(rows):
+                continue
+            order = np.argsort(lengths[rows], kind="stable")
+            for block in minibatch_indices(len(rows), mb, permutation=order):
+                if self._stop.is_set():
+                    raise Interrupted
+                idx = fill_micro_batches(np.where(block >= 0, rows[np.maximum(block, 0)], -1), micro)
+                placed = self.step.place_batch(credited.batch(idx, with_advantages=False))
+                real = idx >= 0
+                if tables[0] is not None:
+                    tables[0][idx[real], :placed.length] = to_host(
+                        self.step.compute_logprobs(self.state.params, placed))[real]
+                if tables[1] is not None:
+                    tables[1][idx[real], :placed.length] = to_host(self._reference_logprobs(placed))[real]
         for table in (old, ref):
             if table is not None:
                 table[:len(same)] = table[same]
         return old, ref
+
+    def _epoch_blocks(self, iteration: int, epoch: int, lengths: np.ndarray) -> list[np.ndarray]:
+        """The mini-batches (row indices, ``-1`` padding) of ``epoch`` of ``iteration``, a pure function of
+        (seed, iteration, epoch)."""
+        cfg, size = self.cfg, self.cfg.optim.mini_batch_rows
+        rng = np.random.default_rng([cfg.train.seed, iteration, epoch])
+        if cfg.optim.group_by_length:
+            return length_grouped_minibatches(lengths, size, rng, self.length_buckets)
+        return minibatch_indices(len(lengths), size, permutation=rng.permutation(len(lengths)))
+
+    def _first_update_rows(self, iteration: int, credited: Credited) -> np.ndarray:
+        """The rows of the iteration's first update when it has one epoch (it needs no old log-probs)."""
+        if self.cfg.optim.epochs != 1:
+            return np.zeros(0, np.int64)
+        first = self._epoch_blocks(iteration, 0, credited.row_lengths)[0]
+        return first[first >= 0]
 
     def _update_epochs(self, iteration: int, credited: Credited, same: np.ndarray, old: np.ndarray | None,
                        ref: np.ndarray | None) -> list[dict[str, float]]:
@@ -235,21 +255,16 @@ class Trainer:
         step_metrics: list[dict[str, Any]] = []
         lr_scale = lr_decay(cfg.optim.lr_decay, (iteration - 1) / max(cfg.train.iterations - 1, 1),
                             cfg.optim.lr_end_fraction)
-        lengths, mb = credited.row_lengths, cfg.optim.mini_batch_rows
         for epoch in range(cfg.optim.epochs):
-            rng = np.random.default_rng([cfg.train.seed, iteration, epoch])
-            if cfg.optim.group_by_length:
-                blocks = length_grouped_minibatches(lengths, mb, rng, self.length_buckets)
-            else:
-                blocks = minibatch_indices(len(lengths), mb, permutation=rng.permutation(len(lengths)))
-            for idx in blocks:
+            for idx in self._epoch_blocks(iteration, epoch, credited.row_lengths):
                 if stoppable and self._stop.is_set():
                     self._abandon_updates(start_state if keep_start else None)
                 merged = merge_identical(idx, same, credited.advantages)
                 idx = fill_micro_batches(merged.index, cfg.optim.micro_batch_rows)
                 rows = credited.batch(idx, with_advantages=True, merged=merged)
+                own_old = old is None or (cfg.optim.epochs == 1 and not step_metrics)  # the first update's
                 placed = self.step.place_batch(rows.replace(
-                    old_logprobs=None if old is None else gather_rows(old, idx, rows.length),
+                    old_logprobs=None if own_old else gather_rows(old, idx, rows.length),
                     ref_logprobs=None if ref is None else gather_rows(ref, idx, rows.length),
                 ))
                 self.state, metrics = self.step.update(self.state, placed, lr_scale,

@@ -1,7 +1,9 @@
-"""Identical rows of an iteration run through the model once: the recompute scores one of each set and
-shares its log-probs (the old and the KL reference tables alike, equal to scoring every row), and an
-update runs one row of each set whose advantages share a sign, weighted by its count (the update of
-every row)."""
+"""What an iteration runs through the model, and that the shortcuts change nothing: identical rows are
+scored once and share their log-probs (the old and the KL reference tables alike, equal to scoring
+every row); an update runs one row of each identical set whose advantages share a sign, weighted by its
+count; the rows of the first update of a one-epoch iteration get no old log-probs (the update takes them
+from its own forward pass). The updates equal the plain path: every row scored, every row updated with
+its recomputed old log-probs."""
 
 from __future__ import annotations
 
@@ -13,13 +15,16 @@ import numpy as np
 import pytest
 
 from experiments.kuhn_poker import SPEC
+from mage_jax.algorithms.schedules import lr_decay
 from mage_jax.evaluation.evaluator import Evaluator
 from mage_jax.testing import SMOKE
 from mage_jax.training.assemble import build_parts, make_checkpointer, make_logger
 from mage_jax.training.credit import credit, merge_identical
+from mage_jax.training.train_step import fill_micro_batches, gather_rows
 from mage_jax.training.trainer import Trainer
 
 # Several mini-batches (old log-probs are recomputed) and a KL term (reference log-probs too).
+NO_ROWS = np.zeros(0, np.int64)
 OVERRIDES = {**SMOKE, "optim.mini_batch_rows": 4, "optim.micro_batch_rows": 2, "optim.kl_coef": 0.1,
              "train.validate_every": 0}
 
@@ -70,12 +75,12 @@ def test_identical_rows_are_scored_once_and_share_the_log_probs_of_scoring_every
     assert distinct <= n - n // 3  # the copies
 
     calls = counted_rows(trainer, monkeypatch, "compute_logprobs")
-    old, ref = trainer._recompute(credited, same)
+    old, ref = trainer._recompute(credited, same, NO_ROWS)
     # Each distinct row once for the old and once for the reference table (the LoRA-free tiny model's
     # reference is a copy of the initial parameters, scored by the same program).
     assert sum(calls) == 2 * distinct
 
-    every_old, every_ref = trainer._recompute(credited, np.arange(n))  # the path that scores every row
+    every_old, every_ref = trainer._recompute(credited, np.arange(n), NO_ROWS)  # every row scored
     assert sum(calls) == 2 * distinct + 2 * n
     mask = credited.packed.response_mask[:n].astype(bool)
     # Every row was scored: each has a free decision (its forced tokens have log-prob 0).
@@ -83,6 +88,27 @@ def test_identical_rows_are_scored_once_and_share_the_log_probs_of_scoring_every
     assert (np.where(mask, ref[:n], 0).sum(axis=1) < 0).all()
     np.testing.assert_allclose(old[:n][mask], every_old[:n][mask], rtol=0, atol=1e-5)
     np.testing.assert_allclose(ref[:n][mask], every_ref[:n][mask], rtol=0, atol=1e-5)
+
+
+def test_the_rows_of_the_first_update_get_no_old_log_probs_unless_a_later_update_has_a_copy(
+        trainer_and_rows, monkeypatch):
+    trainer, rows = trainer_and_rows
+    credited = with_copies(trainer, rows)
+    n = credited.packed.num_rows
+    same = credited.identical_rows()
+    first = trainer._first_update_rows(1, credited)
+    assert 0 < len(first) < n
+    later = np.setdiff1d(np.arange(n), first)
+    calls = counted_rows(trainer, monkeypatch, "compute_logprobs")
+    old, ref = trainer._recompute(credited, same, first)
+    assert sum(calls) == np.unique(same).size + np.unique(same[later]).size  # reference + old
+    every_old, _ = trainer._recompute(credited, np.arange(n), NO_ROWS)
+    mask = credited.packed.response_mask[:n].astype(bool)
+    needed = np.isin(same, same[later])  # a later update's row or a copy of one
+    assert not needed.all()
+    scored = needed[:, None] & mask
+    np.testing.assert_allclose(old[:n][scored], every_old[:n][scored], rtol=0, atol=1e-5)
+    assert (old[:n][~needed] == 0).all()
 
 
 def test_rows_that_differ_in_any_scored_token_or_the_prompt_split_are_not_identical(trainer_and_rows):
@@ -110,17 +136,27 @@ def test_an_update_runs_identical_rows_once_and_moves_the_parameters_as_the_upda
     credited = with_copies(trainer, rows)
     n = credited.packed.num_rows
     same = credited.identical_rows()
-    old, ref = trainer._recompute(credited, same)
+    old, ref = trainer._recompute(credited, same, trainer._first_update_rows(1, credited))
+    every_old, every_ref = trainer._recompute(credited, np.arange(n), NO_ROWS)  # for the plain path
     start = jax.tree.map(jnp.copy, trainer.state)
 
     calls = counted_rows(trainer, monkeypatch, "update")
     merged_metrics = trainer._update_epochs(1, credited, same, old, ref)
     merged_params = jax.tree.map(np.asarray, trainer.state.params)
-    merged_rows = sum(calls)
-    trainer.state = start
-    every_metrics = trainer._update_epochs(1, credited, np.arange(n), old, ref)  # every row its own
-    assert sum(calls) - merged_rows == n
-    assert merged_rows < n  # the copies of one mini-batch ran once
+    assert sum(calls) < n  # the copies of one mini-batch ran once
+
+    # The plain path: every row scored, every mini-batch updated row by row with its recomputed old
+    # log-probs.
+    trainer.state, every_metrics = start, []
+    for idx in trainer._epoch_blocks(1, 0, credited.row_lengths):
+        idx = fill_micro_batches(idx, trainer.cfg.optim.micro_batch_rows)
+        batch = credited.batch(idx, with_advantages=True)
+        batch = batch.replace(old_logprobs=gather_rows(every_old, idx, batch.length),
+                              ref_logprobs=gather_rows(every_ref, idx, batch.length))
+        lr_scale = lr_decay(trainer.cfg.optim.lr_decay, 0.0, trainer.cfg.optim.lr_end_fraction)
+        trainer.state, metrics = trainer.step.update(trainer.state, trainer.step.place_batch(batch), lr_scale,
+                                                     donate=False)
+        every_metrics.append({k: float(v) for k, v in jax.device_get(metrics).items()})
     assert len(merged_metrics) == len(every_metrics) > 1
     for merged, every in zip(merged_metrics, every_metrics):
         assert merged.keys() == every.keys()
