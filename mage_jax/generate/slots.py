@@ -30,8 +30,10 @@ row crosses devices).
 
 Static shapes: the slot count ``S``, the cache length ``L = largest prompt bucket + max_new_tokens``,
 the response buffer ``N = max_new_tokens``, the automaton states ``Q``. The set of programs is small and
-fixed: an insert takes ``insert_rows`` targets per device block (and as many prompts), so it compiles
-once per prompt bucket ``P``; a decode once per slot bucket (two by default: all slots, a quarter) over
+fixed: an insert takes ``insert_rows`` targets per device block and prefills its distinct prompts in a
+*prompt-row bucket* (``prompt_row_buckets``: ``ways`` x 1, 2, 4, ... up to ``insert_rows``, so three
+distinct prompts of a block of eight prefill four rows, not eight), so it compiles once per prompt
+bucket ``P`` and prompt-row bucket; a decode once per slot bucket (two by default: all slots, a quarter) over
 the whole cache; a move once. The engine splits larger inserts. After warm-up nothing recompiles
 (``compile_count`` counts traces), and ``CompiledSlotPrograms.shared`` gives every engine of a process
 with the same model graph and shapes the same programs: a second run, or an evaluation after training (other
@@ -129,6 +131,9 @@ class CompiledSlotPrograms:
         # Slot buckets (per device): the whole block, its quarter, ... (slot_levels of them).
         self.slot_buckets = tuple(sorted({-(-self.local_slots // 4**k) for k in range(slot_levels)}))
         self.insert_rows = min(int(insert_rows), self.local_slots)
+        # Prompt rows an insert prefills (all devices together): ways x 1, 2, 4, ... and the whole insert.
+        self.prompt_row_buckets = tuple(sorted({ways * min(2**k, self.insert_rows)
+                                                for k in range(self.insert_rows.bit_length() + 1)}))
         self.max_new_tokens = int(max_new_tokens)
         self.chunk = int(chunk)
         self.max_len = spec.prompt_buckets[-1] + self.max_new_tokens
@@ -261,7 +266,7 @@ class CompiledSlotPrograms:
             raise ValueError(f"an insert takes at most {self.insert_rows} targets per device block "
                              f"(insert_rows); split it")
         t_bucket = self.insert_rows
-        u_bucket = t_bucket * ways
+        u_bucket = shapes.bucket(max(u, 1), self.prompt_row_buckets)
         tokens, valid = shapes.left_padded(prompts, u_bucket, p_bucket, pad_id=spec.pad_id,
                                            vocab_size=spec.vocab_size)
         valid[u:, -1] = True  # dummy prompts: one real token, so their (discarded) prefill stays finite
@@ -303,7 +308,7 @@ class CompiledSlotPrograms:
 
     def lower_insert(self, state: Any, params: SamplingParams, *, prompt_len: int,
                      bank_shape: tuple[int, int, int] | None = None) -> jax.stages.Lowered:
-        """The insert program for the prompt bucket ``prompt_len`` (its one shape: ``insert_rows`` targets
+        """The insert program for the prompt bucket ``prompt_len`` (its largest shape: ``insert_rows`` targets
         per device block and as many prompt rows), lowered ahead of time for ``state`` (arrays or
         ``ShapeDtypeStruct`` leaves with their shardings) and a bank of ``bank_shape``; nothing is
         allocated."""

@@ -141,6 +141,25 @@ def test_a_scanned_models_insert_holds_one_layers_prompt_keys_and_values_at_a_ti
     assert temp[1] - temp[0] < (cache[1] - cache[0]) / 2, (temp, cache)
 
 
+def test_an_insert_prefills_its_distinct_prompts_in_the_smallest_prompt_row_bucket(tiny):
+    """One distinct prompt for two slots prefills one prompt row, not ``insert_rows`` (four here), and
+    draws what the insert of the whole row bucket draws: the lockstep sampler's greedy tokens."""
+    spec, programs, state, reference = tiny
+    assert programs.prompt_row_buckets == (1, 2, 4)
+    whole = CompiledSlotPrograms(spec, slots=4, max_new_tokens=6, chunk=6)
+    whole.prompt_row_buckets = (4,)  # the reference path: every insert prefills insert_rows prompt rows
+    sent = []
+    for progs in (programs, whole):
+        slots = insert(progs, state, progs.empty(), [PROMPTS[1]], [0, 0], [0, 1])
+        sent.append(progs.last_insert_bytes[0])
+        slots, _ = progs.decode(state, slots, GREEDY, jax.random.key(0))
+        for s in (0, 1):
+            assert response(slots, s) == reference.tokens[1].tolist()
+            np.testing.assert_allclose(np.asarray(slots.logprobs[s, :len(reference.logprobs[1])]),
+                                       reference.logprobs[1], atol=1e-5)
+    assert sent[1] - sent[0] == 3 * 16 * (4 + 1)  # three fewer rows of 16 int32 tokens and bool flags
+
+
 def test_bad_inserts_are_one_clear_error(tiny):
     _, programs, state, _ = tiny
     with pytest.raises(ValueError, match="needs a prompt to prefill"):
