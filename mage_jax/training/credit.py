@@ -94,7 +94,7 @@ def merge_identical(index: np.ndarray, same: np.ndarray, advantages: np.ndarray)
         first = kept.setdefault((int(same[row]), int(np.sign(advantages[row]))), int(row))
         sums[first] += advantages[row]
         counts[first] += 1
-    rows = np.array(sorted(kept.values(), key=lambda r: np.flatnonzero(index == r)[0]), np.int64)
+    rows = np.fromiter(kept.values(), np.int64, len(kept))  # each set's first row, in mini-batch order
     out = np.full(len(index), -1, np.int64)
     out[:len(rows)] = rows
     mean = np.where(counts > 0, sums / np.maximum(counts, 1), 0.0)

@@ -60,17 +60,21 @@ def counted_rows(trainer, monkeypatch, method: str) -> list[int]:
     return calls
 
 
-def with_copies(trainer, rows):
+def credited_rows(trainer, rows):
     return credit(trainer.cfg, rows, length_buckets=trainer.length_buckets,
                   pad_id=trainer.parts.tokenizer.pad_id)
 
 
+def credited_copies(trainer_and_rows):
+    """The trainer, the fixture's rows credited, their count and ``identical_rows``."""
+    trainer, rows = trainer_and_rows
+    credited = credited_rows(trainer, rows)
+    return trainer, credited, credited.packed.num_rows, credited.identical_rows()
+
+
 def test_identical_rows_are_scored_once_and_share_the_log_probs_of_scoring_every_row(trainer_and_rows,
                                                                                        monkeypatch):
-    trainer, rows = trainer_and_rows
-    credited = with_copies(trainer, rows)
-    n = credited.packed.num_rows
-    same = credited.identical_rows()
+    trainer, credited, n, same = credited_copies(trainer_and_rows)
     distinct = np.unique(same).size
     assert distinct <= n - n // 3  # the copies
 
@@ -92,10 +96,7 @@ def test_identical_rows_are_scored_once_and_share_the_log_probs_of_scoring_every
 
 def test_the_rows_of_the_first_update_get_no_old_log_probs_unless_a_later_update_has_a_copy(
         trainer_and_rows, monkeypatch):
-    trainer, rows = trainer_and_rows
-    credited = with_copies(trainer, rows)
-    n = credited.packed.num_rows
-    same = credited.identical_rows()
+    trainer, credited, n, same = credited_copies(trainer_and_rows)
     first = trainer._first_update_rows(1, credited)
     assert 0 < len(first) < n
     later = np.setdiff1d(np.arange(n), first)
@@ -115,8 +116,7 @@ def test_rows_that_differ_in_any_scored_token_or_the_prompt_split_are_not_identi
     trainer, rows = trainer_and_rows
     half = len(rows) // 2
     first = rows[:half]
-    credited = credit(trainer.cfg, first + first, length_buckets=trainer.length_buckets,
-                      pad_id=trainer.parts.tokenizer.pad_id)
+    credited = credited_rows(trainer, first + first)
     same = credited.identical_rows()
     assert all(same[i] <= i for i in range(len(same)))  # the first of each set represents it
     assert np.unique(same).size < len(same)
@@ -125,17 +125,13 @@ def test_rows_that_differ_in_any_scored_token_or_the_prompt_split_are_not_identi
     moved = [dataclasses.replace(r, prompt_ids=r.prompt_ids[:-1],
                                  response_ids=np.concatenate([r.prompt_ids[-1:], r.response_ids]),
                                  logprobs=np.concatenate([[0.0], r.logprobs])) for r in first]
-    mixed = credit(trainer.cfg, first + moved, length_buckets=trainer.length_buckets,
-                   pad_id=trainer.parts.tokenizer.pad_id)
+    mixed = credited_rows(trainer, first + moved)
     assert np.unique(mixed.identical_rows()).size == np.unique(same[:half]).size * 2
 
 
 def test_an_update_runs_identical_rows_once_and_moves_the_parameters_as_the_update_of_every_row(
         trainer_and_rows, monkeypatch):
-    trainer, rows = trainer_and_rows
-    credited = with_copies(trainer, rows)
-    n = credited.packed.num_rows
-    same = credited.identical_rows()
+    trainer, credited, n, same = credited_copies(trainer_and_rows)
     old, ref = trainer._recompute(credited, same, trainer._first_update_rows(1, credited))
     every_old, every_ref = trainer._recompute(credited, np.arange(n), NO_ROWS)  # for the plain path
     start = jax.tree.map(jnp.copy, trainer.state)
