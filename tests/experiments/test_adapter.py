@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from experiments import evaluate, export, kuhn_poker
+from experiments import compare, evaluate, export, kuhn_poker
 from mage_jax import config as C
 from mage_jax.models import lora
 from mage_jax.models.adapter_file import FORMAT, apply_adapters, read_adapters
@@ -126,3 +126,51 @@ def test_an_adapter_file_name_must_say_what_it_is(name, message, lora_run, tmp_p
     assert export.main(["--run-dir", str(lora_run), "--adapter", str(tmp_path / name)]) == 2
     err = capsys.readouterr().err
     assert message in err and not list(tmp_path.iterdir())
+
+
+def test_compare_tables_each_evaluations_paired_gain_and_draws_the_runs(adapter, lora_run, tiny_hf_model,
+                                                                        tmp_path, capsys):
+    """``experiments.compare``: the results table of an experiment (the run's own evaluation beside its
+    adapter's on other deals), its numbers as JSON, and the figure of the run's training records."""
+    other = tmp_path / "seed7"
+    assert evaluate.main(["--model-path", tiny_hf_model, "--adapter", str(adapter), "--out-dir", str(other),
+                          "--set", "env.eval_seed=7", "--set", "train.eval_meta_episodes=3"]) == 0
+    capsys.readouterr()
+    figure, table = tmp_path / "fig" / "adaptation.png", tmp_path / "table.json"
+    argv = ["--eval", f"trained run={lora_run}", "--eval", f"adapter, seed 7={other}",
+            "--run", f"trained run={lora_run}", "--figure", str(figure), "--json", str(table)]
+    assert compare.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(table.read_text())
+    assert [r["label"] for r in rows] == ["trained run", "adapter, seed 7"]
+    for row, folder in zip(rows, (lora_run, other)):
+        metrics = _summary(folder)["evaluation"]["eval"]["metrics"]
+        gain, payoff = metrics["payoff_gain"], metrics["curves"]["payoff"]
+        assert row["num_meta_episodes"] == metrics["num_meta_episodes"] and row["iterations"] == 1
+        assert row["gain"] == [gain["mean"], gain["standard_error"]]
+        assert [p[0] for p in row["payoff"]] == payoff
+        last = row["num_episodes"]
+        line = next(line for line in out.splitlines() if line.startswith(f"| {row['label']} |"))
+        assert f"| {payoff[0]:+.3f} ± " in line and f"| {payoff[last - 1]:+.3f} ± " in line
+        assert f"**{gain['mean']:+.3f} ± {gain['standard_error']:.3f}**" in line
+    assert rows[1]["num_meta_episodes"] == 3
+    assert figure.stat().st_size > 10_000 and f"figure: {figure}" in out
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no label", "write it as LABEL=PATH"),
+    ("no summary", "no summary.json there"),
+    ("no split", "has no 'validation' evaluation"),
+    ("no records", "no training records"),
+])
+def test_compare_with_a_folder_that_lacks_what_it_needs_is_one_error_line(case, message, lora_run, tmp_path,
+                                                                        capsys):
+    figure = tmp_path / "adaptation.png"
+    argv = {"no label": ["--eval", str(lora_run)],
+            "no summary": ["--eval", f"run={tmp_path}"],
+            "no split": ["--eval", f"run={lora_run}", "--split", "validation"],
+            "no records": ["--eval", f"run={lora_run}", "--run", f"empty={tmp_path}"]}[case]
+    assert compare.main([*argv, "--figure", str(figure)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not figure.exists()
