@@ -146,7 +146,7 @@ def _series(records: Sequence[Mapping[str, Any]], key: str) -> np.ndarray:
 def read_run(label: str, run_dir: str) -> list[dict[str, Any]]:
     """A training run's metric records; a run without them is a ConfigError."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    records = [r for r in read_jsonl(path)] if os.path.isfile(path) else []
+    records = read_jsonl(path) if os.path.isfile(path) else []
     if not any(r.get("split") == "train" for r in records):
         raise C.ConfigError(f"--run {label}={run_dir}: no training records in {path}")
     return records
