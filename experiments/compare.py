@@ -28,6 +28,7 @@ import numpy as np
 from experiments.common import ConfigErrorParser, run_command
 from mage_jax import config as C
 from mage_jax.evaluation.plots import _pyplot, _save  # the package's one matplotlib set-up
+from mage_jax.evaluation.report import load_summary
 from mage_jax.logging import read_jsonl
 
 Estimate = tuple[float, float | None]
@@ -71,12 +72,10 @@ def _gain(block: Mapping[str, Any]) -> Estimate:
 
 def read_row(label: str, directory: str, split: str = "eval") -> EvalRow:
     """The evaluation ``split`` of ``directory``'s ``summary.json`` as a table row."""
-    path = os.path.join(directory, "summary.json")
-    if not os.path.isfile(path):
+    summary = load_summary(directory)
+    if summary is None:
         raise C.ConfigError(f"--eval {label}={directory}: no summary.json there (run "
                             "experiments.evaluate, or let the training run finish)")
-    with open(path) as f:
-        summary = json.load(f)
     block = summary.get("evaluation", {}).get(split)
     if block is None:
         raise C.ConfigError(f"--eval {label}={directory}: summary.json has no {split!r} evaluation (it has "
