@@ -194,8 +194,8 @@ def plot_comparison(runs: Mapping[str, Sequence[Mapping[str, Any]]], rows: Seque
         ax.set_xlabel("iteration")
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # below the panel: a legend inside covered the bands
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     fig.tight_layout()
     return str(_save(fig, path))
 
